@@ -1,0 +1,1 @@
+"""Offline conversion: checkpoint readers, bucket planning, lowerings, artifact writer."""

@@ -1,0 +1,35 @@
+"""Checkpoint readers: each returns a `Checkpoint` with weights under canonical (HF LLaMA) names."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec
+from exporter.checkpoint.hf_reader import read_hf_dir
+
+__all__ = ["Checkpoint", "CheckpointError", "TokenizerSpec", "read_checkpoint", "read_hf_dir"]
+
+
+DEFAULT_SOURCE = "default"
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Pick the reader from what `path` is: a HF directory, a `.gguf` file, or "default" (SmolLM2)."""
+    if str(path) == DEFAULT_SOURCE:
+        from exporter.checkpoint.gguf_reader import default_model_path
+
+        path = default_model_path()
+    p = Path(path)
+    if p.is_dir():
+        return read_hf_dir(p)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        # Imported lazily so HF-only users never need the gguf package.
+        from exporter.checkpoint.gguf_reader import read_gguf
+
+        return read_gguf(p)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist; pass a Hugging Face checkpoint directory or a .gguf file")
+    raise CheckpointError(
+        f"{p} is neither a directory nor a .gguf file; pass a Hugging Face checkpoint directory "
+        "(config.json + safetensors + tokenizer.json) or a .gguf file"
+    )

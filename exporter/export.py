@@ -1,0 +1,125 @@
+"""Checkpoint -> artifact directory: graphs, weights once, tokenizer, manifest (written atomically)."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, TextIO
+
+import numpy as np
+import onnx
+
+from exporter.buckets import plan_gears
+from exporter.checkpoint import read_checkpoint
+from exporter.checkpoint.base import Checkpoint
+from exporter.config import ExportConfig
+from exporter.onnx.graph_builder import OnnxBuilder
+from exporter.tokenizer_files import write_tokenizer
+from graphs import contract as c
+from graphs import llama
+from graphs.contract import Gear
+from graphs.manifest import MANIFEST, Family, Manifest, file_sha256
+
+GRAPH = "graphs/model.onnx"
+WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
+
+
+@dataclass(frozen=True)
+class GearReport:
+    family: str
+    gear: Gear
+    seconds: float
+
+
+def export(config: ExportConfig, out_dir: str | Path, log: TextIO = sys.stderr) -> Manifest:
+    """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind."""
+    out_dir = Path(out_dir)
+    started = time.perf_counter()
+    print(f"reading checkpoint {config.model.source} ...", file=log)
+    checkpoint = read_checkpoint(config.model.source)
+    model = checkpoint.config
+    options = config.export
+    gears = plan_gears(model, options)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
+              f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
+        _write_onnx(checkpoint, options.max_model_len, options.block_size, staging)
+        write_tokenizer(checkpoint.tokenizer, staging)
+        (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        manifest = Manifest(
+            model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
+            families={name: Family(GRAPH, family_gears) for name, family_gears in gears.items()},
+            files=files, export_config=config.model_dump(mode="json"))
+        (staging / MANIFEST).write_text(manifest.to_json())
+        reports = _verify_gears(staging, manifest, log) if options.verify_gears else []
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _summary(out_dir, manifest, reports, time.perf_counter() - started, log)
+    return manifest
+
+
+def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, out: Path) -> None:
+    weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions)
+    builder = OnnxBuilder(checkpoint.config, weights)
+    llama.build(builder, checkpoint.config, block_size)
+    model = builder.model("pagedgraph")
+    onnx.checker.check_model(model, full_check=True)
+    (out / GRAPH).parent.mkdir(parents=True)
+    onnx.save_model(model, out / GRAPH, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=Path(WEIGHTS).name, size_threshold=0)
+
+
+def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
+                  clock: Callable[[], float] = time.perf_counter) -> list[GearReport]:
+    """Run every gear once on a tiny pool: proves each static shape the runtime will feed works."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(artifact / GRAPH), providers=["CPUExecutionProvider"])
+    model = manifest.model
+    max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
+    pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), np.float32)
+    caches = {name: pool for name in c.cache_names(model.num_layers)}
+    total = sum(len(f.gears) for f in manifest.families.values())
+    reports = []
+    for family, spec in manifest.families.items():
+        for gear in spec.gears:
+            feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
+            feed[c.CU_SEQLENS_Q][1:] = 1  # one real query token, the rest padding
+            feed[c.CONTEXT_LENS][0] = 1
+            start = clock()
+            logits = session.run([c.LOGITS], {**feed, **caches})[0]
+            reports.append(GearReport(family, gear, clock() - start))
+            if logits.shape != (gear.seqs, model.vocab_size) or not np.isfinite(logits[0]).all():
+                raise RuntimeError(f"{family} gear {gear} produced bad logits {logits.shape}")
+            print(f"[{len(reports)}/{total}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
+                  f"ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
+    return reports
+
+
+def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: float, log: TextIO) -> None:
+    size = {rel: (out / rel).stat().st_size for rel in manifest.files}
+    print(f"\n{'family':8} {'gears':>5}  {'T range':>11} {'B range':>9} {'M range':>9}  {'graph':>9}  {'verify':>8}",
+          file=log)
+    for family, spec in manifest.families.items():
+        g = spec.gears
+        verify = sum(r.seconds for r in reports if r.family == family)
+        print(f"{family:8} {len(g):5}  {_span(x.tokens for x in g):>11} {_span(x.seqs for x in g):>9} "
+              f"{_span(x.blocks for x in g):>9}  {size[spec.graph] / 1e6:7.2f}MB  {verify:7.2f}s", file=log)
+    print(f"weights {size[WEIGHTS] / 1e6:.1f} MB stored once; "
+          f"artifact {out} written in {seconds:.1f}s", file=log)
+
+
+def _span(values: Iterable[int]) -> str:
+    v = sorted(set(values))
+    return f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0])

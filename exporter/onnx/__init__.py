@@ -1,0 +1,1 @@
+"""Lowering of the model definitions to ONNX (the default target)."""

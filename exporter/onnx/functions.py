@@ -1,0 +1,193 @@
+"""The fused ops as ONNX model-local functions of domain `atb` with standard-op bodies.
+
+A graph keeps each fused op as ONE node with ATB's name and attributes (what ATC and
+readers see); ONNX Runtime inlines the bodies. Body rules measured on this machine:
+a pool input feeds ScatterND directly and ScatterND's output is the graph output, so
+with IOBinding aliasing the write happens in place; grouped-query layout is kept.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from onnx import FunctionProto, helper
+
+from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
+
+NEG_INF = -1e30
+
+
+def _function(name: str, inputs: list[str], outputs: list[str], attributes: list[str],
+              body: Callable[[Nodes], list[str]]) -> FunctionProto:
+    n = Nodes(prefix="")
+    for result, out in zip(body(n), outputs):
+        n.rename(result, out)  # no trailing Identity: a pool write must stay the op that outputs it
+    return helper.make_function(ATB_DOMAIN, name, inputs, outputs, n.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=attributes)
+
+
+def _reshape_and_cache(n: Nodes) -> list[str]:
+    index = n.unsqueeze("slot_mapping", [1])
+    return [n.op("ScatterND", "k_cache", index, "key"), n.op("ScatterND", "v_cache", index, "value")]
+
+
+def _rms_norm(n: Nodes) -> list[str]:
+    mean_square = n.op("ReduceMean", n.op("Pow", "x", n.const(2.0, dtype="float32")), axes=[-1], keepdims=1)
+    eps = n.attr_const("epsilon", "float")
+    return [n.op("Mul", n.op("Div", "x", n.op("Sqrt", n.op("Add", mean_square, eps))), "weight")]
+
+
+def _rope(n: Nodes) -> list[str]:
+    head_dim = n.shape_dim("cos", 1)
+    cos, sin = n.unsqueeze("cos", [1]), n.unsqueeze("sin", [1])
+    heads_shape = n.op("Concat", n.const([0, -1]), head_dim, axis=0)
+    rotated = []
+    for x in ("query", "key"):
+        heads = n.op("Reshape", x, heads_shape)
+        first, second = n.op("Split", heads, axis=-1, outputs=2)
+        swapped = n.op("Concat", n.op("Neg", second), first, axis=-1)
+        out = n.op("Add", n.op("Mul", heads, cos), n.op("Mul", swapped, sin))
+        rotated.append(n.op("Reshape", out, n.const([0, -1])))
+    return rotated
+
+
+def _swiglu(n: Nodes) -> list[str]:
+    gate, up = n.op("Split", "x", axis=-1, outputs=2)
+    return [n.op("Mul", n.op("Mul", gate, n.op("Sigmoid", gate)), up)]
+
+
+class _Heads:
+    """Head counts of the enclosing attention function as 1-D int64 tensors."""
+
+    def __init__(self, n: Nodes) -> None:
+        self.kv = n.unsqueeze(n.attr_const("kv_head_num", "int"), [0])
+        heads = n.unsqueeze(n.attr_const("head_num", "int"), [0])
+        self.width = n.shape_dim("query", 1)
+        self.dim = n.op("Div", self.width, heads)
+        self.group = n.op("Div", heads, self.kv)
+
+
+def _shape(n: Nodes, *dims: str | int) -> str:
+    """A shape from 1-D dim tensors and literal ints. No -1: these tensors may be empty."""
+    parts = [d if isinstance(d, str) else n.const([d]) for d in dims]
+    return n.op("Concat", *parts, axis=0)
+
+
+def _pool_rows(n: Nodes, tables: str) -> str:
+    """[B, M] block ids -> [B, M*block_size] pool rows (the pools stay 2-D: no copy)."""
+    block_size = n.attr_const("block_size", "int")
+    rows = n.op("Add", n.op("Mul", n.unsqueeze(tables, [2]), block_size), n.op("Range", n.const(0), block_size, n.const(1)))
+    length = n.op("Mul", n.shape_dim(tables, 1), n.unsqueeze(block_size, [0]))
+    return n.op("Reshape", rows, _shape(n, n.shape_dim(tables, 0), length))
+
+
+def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, values: str, first_visible: str) -> str:
+    """Sequences with several queries, laid out as [B, S] (S = longest run) -> their packed rows.
+
+    keys/values [B, L, KV*D]; query s of sequence b sees keys 0..first_visible[b] + s.
+    """
+    seqs = n.shape_dim(starts, 0)
+    longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
+    s_range = n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1))
+    tokens = n.shape_dim("query", 0)
+    rows = n.op("Min", n.op("Add", n.unsqueeze(starts, [1]), n.unsqueeze(s_range, [0])), n.op("Sub", tokens, n.const([1])))
+    length = n.shape_dim(keys, 1)
+    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, longest, h.kv, h.group, h.dim))
+    query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])
+    query = n.op("Reshape", query, _shape(n, seqs, h.kv, n.op("Mul", longest, h.group), h.dim))  # [B, KV, S*G, D]
+    kv_shape = _shape(n, seqs, length, h.kv, h.dim)
+    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])  # [B, KV, D, L]
+    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])  # [B, KV, L, D]
+    limit = n.op("Add", n.unsqueeze(first_visible, [1]), n.unsqueeze(s_range, [0]))
+    key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
+    visible = n.op("LessOrEqual", n.unsqueeze(key_pos, [0, 1]), n.unsqueeze(limit, [2]))  # [B, S, L]
+    mask = n.op("Expand", n.unsqueeze(visible, [1, 3]), _shape(n, 1, 1, 1, h.group, 1))
+    mask = n.op("Reshape", mask, _shape(n, seqs, 1, n.op("Mul", longest, h.group), length))
+    out = _softmax_attention(n, query, keys, values, mask)
+    out = n.op("Reshape", out, _shape(n, seqs, h.kv, longest, h.group, h.dim))
+    out = n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), _shape(n, n.op("Mul", seqs, longest), h.width))
+    # Packed token t (of these sequences) -> flat [B*S] row: its sequence is the number of ends <= t.
+    ends = n.op("Add", starts, q_lens)
+    count = n.op("ReduceSum", q_lens, n.const([0]), keepdims=0)
+    t_range = n.op("Range", n.const(0), count, n.const(1))
+    seq_of = n.op("ReduceSum", n.cast(n.op("GreaterOrEqual", n.unsqueeze(t_range, [1]), n.unsqueeze(ends, [0]))),
+                  n.const([1]), keepdims=0)
+    offset = n.op("Sub", t_range, n.op("Gather", starts, seq_of, axis=0))
+    return n.op("Gather", out, n.op("Add", n.op("Mul", seq_of, longest), offset), axis=0)
+
+
+def _softmax_attention(n: Nodes, query: str, keys: str, values: str, mask: str) -> str:
+    scores = n.op("Mul", n.op("MatMul", query, keys), n.attr_const("qk_scale", "float"))
+    scores = n.op("Where", mask, scores, n.const(NEG_INF, dtype="float32"))
+    return n.op("MatMul", n.op("Softmax", scores, axis=-1), values)
+
+
+def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, context_lens: str) -> str:
+    """Sequences with one query each (decode): [B, KV, G, D] against [B, KV, D, L]."""
+    seqs = n.shape_dim(rows, 0)
+    length = n.shape_dim(keys, 1)
+    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, h.kv, h.group, h.dim))
+    kv_shape = _shape(n, seqs, length, h.kv, h.dim)
+    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])
+    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])
+    key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
+    mask = n.unsqueeze(n.op("Less", n.unsqueeze(key_pos, [0]), n.unsqueeze(context_lens, [1])), [1, 2])  # [B,1,1,L]
+    out = _softmax_attention(n, query, keys, values, mask)
+    return n.op("Reshape", out, _shape(n, seqs, h.width))
+
+
+def _paged_attention(n: Nodes) -> list[str]:
+    """Multi-query sequences (prefill chunks) first, then single-query ones, as the packer orders them.
+
+    Each group is laid out by its own longest query run, so a decode never pays for a prefill's
+    length; padding sequences (no queries) and padding tokens cost nothing but the final Pad.
+    """
+    h = _Heads(n)
+    cu = n.cast("cu_seqlens_q")
+    starts = n.op("Slice", cu, n.const([0]), n.const([-1]))
+    q_lens = n.op("Sub", n.op("Slice", cu, n.const([1]), n.const([1 << 62])), starts)
+    multi = n.op("ReduceSum", n.cast(n.op("Greater", q_lens, n.const(1))), n.const([0]), keepdims=1)
+    real = n.op("ReduceSum", n.cast(n.op("Greater", q_lens, n.const(0))), n.const([0]), keepdims=1)
+    zero = n.const([0])
+    first = lambda x: n.op("Slice", x, zero, multi, zero)  # noqa: E731
+    rest = lambda x: n.op("Slice", x, multi, real, zero)  # noqa: E731
+    context_lens, tables = n.cast("context_lens"), n.cast("block_tables")
+    pooled = []
+    for part in (first, rest):
+        rows = _pool_rows(n, part(tables))
+        pooled.append((n.op("Gather", "k_cache", rows, axis=0), n.op("Gather", "v_cache", rows, axis=0)))
+    multi_out = _multi_query(n, h, first(starts), first(q_lens), *pooled[0],
+                             n.op("Sub", first(context_lens), first(q_lens)))
+    single_out = _single_query(n, h, rest(starts), *pooled[1], rest(context_lens))
+    out = n.op("Concat", multi_out, single_out, axis=0)
+    padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
+    return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
+
+
+def _self_attention(n: Nodes) -> list[str]:
+    h = _Heads(n)
+    cu = n.cast("cu_seqlens_q")
+    starts = n.op("Slice", cu, n.const([0]), n.const([-1]))
+    q_lens = n.op("Sub", n.op("Slice", cu, n.const([1]), n.const([1 << 62])), starts)
+    longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
+    rows = n.op("Add", n.unsqueeze(starts, [1]), n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1)))
+    rows = n.op("Min", rows, n.op("Sub", n.shape_dim("query", 0), n.const([1])))
+    out = _multi_query(n, h, starts, q_lens, n.op("Gather", "key", rows, axis=0), n.op("Gather", "value", rows, axis=0),
+                       n.op("Mul", q_lens, n.const(0)))
+    padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
+    return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
+
+
+_ATTENTION_ATTRS = ["head_num", "kv_head_num", "qk_scale"]
+FUNCTIONS: dict[str, Callable[[], FunctionProto]] = {
+    "ReshapeAndCache": lambda: _function(
+        "ReshapeAndCache", ["key", "value", "k_cache", "v_cache", "slot_mapping"], ["k_cache_out", "v_cache_out"], [],
+        _reshape_and_cache),
+    "RmsNorm": lambda: _function("RmsNorm", ["x", "weight"], ["y"], ["epsilon"], _rms_norm),
+    "Rope": lambda: _function("Rope", ["query", "key", "cos", "sin"], ["query_out", "key_out"], [], _rope),
+    "SwiGLU": lambda: _function("SwiGLU", ["x"], ["y"], [], _swiglu),
+    "PagedAttention": lambda: _function(
+        "PagedAttention", ["query", "k_cache", "v_cache", "block_tables", "context_lens", "cu_seqlens_q"], ["out"],
+        _ATTENTION_ATTRS + ["block_size"], _paged_attention),
+    "SelfAttention": lambda: _function(
+        "SelfAttention", ["query", "key", "value", "cu_seqlens_q"], ["out"], _ATTENTION_ATTRS, _self_attention),
+}

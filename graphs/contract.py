@@ -1,0 +1,82 @@
+"""The bucket-graph contract: input/output names, dtypes and bucket (gear) shapes.
+
+Names are those of the design page and are used verbatim by every lowering, the
+manifest and the runtime packer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+INPUT_IDS = "input_ids"
+POSITIONS = "positions"
+SLOT_MAPPING = "slot_mapping"
+BLOCK_TABLES = "block_tables"
+CONTEXT_LENS = "context_lens"
+CU_SEQLENS_Q = "cu_seqlens_q"
+LOGITS_INDICES = "logits_indices"
+LOGITS = "logits"
+
+NULL_BLOCK = 0
+PREFILL = "prefill"
+DECODE = "decode"
+FAMILIES = (PREFILL, DECODE)
+
+
+def k_cache_name(layer: int) -> str:
+    return f"k_cache_{layer}"
+
+
+def v_cache_name(layer: int) -> str:
+    return f"v_cache_{layer}"
+
+
+def cache_output_name(cache_input: str) -> str:
+    """Graph output that aliases a pool input; the executor binds both to one buffer."""
+    return f"{cache_input}_out"
+
+
+def cache_names(num_layers: int) -> list[str]:
+    return [name for layer in range(num_layers) for name in (k_cache_name(layer), v_cache_name(layer))]
+
+
+@dataclass(frozen=True, order=True)
+class Gear:
+    """One static shape of a bucket family: T packed tokens, B sequences, M blocks per sequence."""
+
+    tokens: int
+    seqs: int
+    blocks: int
+
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            INPUT_IDS: (self.tokens,),
+            POSITIONS: (self.tokens,),
+            SLOT_MAPPING: (self.tokens,),
+            BLOCK_TABLES: (self.seqs, self.blocks),
+            CONTEXT_LENS: (self.seqs,),
+            CU_SEQLENS_Q: (self.seqs + 1,),
+            LOGITS_INDICES: (self.seqs,),
+        }
+
+
+INPUT_DTYPES: dict[str, type] = {
+    INPUT_IDS: np.int64,
+    POSITIONS: np.int64,
+    SLOT_MAPPING: np.int64,
+    BLOCK_TABLES: np.int32,
+    CONTEXT_LENS: np.int32,
+    CU_SEQLENS_Q: np.int32,
+    LOGITS_INDICES: np.int64,
+}
+# Symbolic dimension names of the bucket inputs, shared by every family.
+INPUT_DIMS: dict[str, tuple[str, ...]] = {
+    INPUT_IDS: ("T",),
+    POSITIONS: ("T",),
+    SLOT_MAPPING: ("T",),
+    BLOCK_TABLES: ("B", "M"),
+    CONTEXT_LENS: ("B",),
+    CU_SEQLENS_Q: ("B_plus_1",),
+    LOGITS_INDICES: ("B",),
+}

@@ -1,0 +1,78 @@
+"""The LLaMA family (LLaMA 2/3, Mistral, Qwen2, SmolLM2), defined once against the op set.
+
+One graph serves every step: new tokens are written to the pool first, then every
+query attends through the block table (prefill, chunked prefill, prefix hits and
+decode alike), and only the rows in `logits_indices` reach the LM head.
+"""
+from __future__ import annotations
+
+from typing import Mapping, TypeVar
+
+import numpy as np
+
+from graphs import contract as c
+from graphs.builder import OpBuilder
+from graphs.config import ModelConfig
+from graphs.rope_tables import rope_tables
+
+T = TypeVar("T")
+
+
+def graph_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], max_positions: int) -> dict[str, np.ndarray]:
+    """Canonical checkpoint tensors -> the graph's parameters (fused QKV and gate/up, rope tables)."""
+    cos, sin = rope_tables(config, max_positions)
+    weights = {
+        "embed": tensors["model.embed_tokens.weight"],
+        "final_norm": tensors["model.norm.weight"],
+        "rope_cos": cos,
+        "rope_sin": sin,
+    }
+    if not config.tie_word_embeddings:
+        weights["lm_head"] = tensors["lm_head.weight"]
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = [tensors[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
+        weights[dst + "qkv"] = np.concatenate(attn, axis=0)
+        if config.attention_bias:
+            weights[dst + "qkv_bias"] = np.concatenate([tensors[f"{src}self_attn.{p}_proj.bias"] for p in "qkv"])
+        weights[dst + "o_proj"] = tensors[f"{src}self_attn.o_proj.weight"]
+        weights[dst + "input_norm"] = tensors[f"{src}input_layernorm.weight"]
+        weights[dst + "post_norm"] = tensors[f"{src}post_attention_layernorm.weight"]
+        weights[dst + "gate_up"] = np.concatenate(
+            [tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]], axis=0)
+        weights[dst + "down"] = tensors[f"{src}mlp.down_proj.weight"]
+    return {name: np.ascontiguousarray(w, dtype=np.float32) for name, w in weights.items()}
+
+
+def build(b: OpBuilder[T], config: ModelConfig, block_size: int) -> None:
+    """Emit one bucket graph following the bucket-graph contract."""
+    positions = b.input(c.POSITIONS)
+    slot_mapping = b.input(c.SLOT_MAPPING)
+    block_tables = b.input(c.BLOCK_TABLES)
+    context_lens = b.input(c.CONTEXT_LENS)
+    cu_seqlens_q = b.input(c.CU_SEQLENS_Q)
+    cos = b.gather(b.weight("rope_cos"), positions)
+    sin = b.gather(b.weight("rope_sin"), positions)
+    attention = dict(head_num=config.num_heads, kv_head_num=config.num_kv_heads,
+                     qk_scale=config.head_dim ** -0.5, block_size=block_size)
+
+    hidden = b.gather(b.weight("embed"), b.input(c.INPUT_IDS))
+    for i in range(config.num_layers):
+        w = f"layers.{i}."
+        x = b.rms_norm(hidden, b.weight(w + "input_norm"), config.rms_norm_eps)
+        qkv = b.linear(x, b.weight(w + "qkv"), b.weight(w + "qkv_bias") if config.attention_bias else None)
+        q, k, v = b.split(qkv, [config.q_size, config.kv_size, config.kv_size])
+        q, k = b.rope(q, k, cos, sin, config.head_dim)
+        k_name, v_name = c.k_cache_name(i), c.v_cache_name(i)
+        k_cache, v_cache = b.reshape_and_cache(k, v, b.input(k_name), b.input(v_name), slot_mapping)
+        b.output(c.cache_output_name(k_name), k_cache)
+        b.output(c.cache_output_name(v_name), v_cache)
+        attn = b.paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attention)
+        hidden = b.add(hidden, b.linear(attn, b.weight(w + "o_proj")))
+        x = b.rms_norm(hidden, b.weight(w + "post_norm"), config.rms_norm_eps)
+        hidden = b.add(hidden, b.linear(b.swiglu(b.linear(x, b.weight(w + "gate_up"))), b.weight(w + "down")))
+
+    last = b.gather(hidden, b.input(c.LOGITS_INDICES))
+    last = b.rms_norm(last, b.weight("final_norm"), config.rms_norm_eps)
+    lm_head = b.weight("embed" if config.tie_word_embeddings else "lm_head")
+    b.output(c.LOGITS, b.linear(last, lm_head))

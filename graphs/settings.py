@@ -1,0 +1,60 @@
+"""YAML -> typed settings with one error style: the field path, the value, and what is allowed."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Settings(BaseModel):
+    """Base of every YAML section: unknown keys are errors, values are never coerced silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def describe(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        message = "unknown key (remove it or check its spelling)" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {where}{shown}: {message}")
+    return "\n".join(lines)
+
+
+def validate(cls: type[M], data: Any, source: str) -> M:
+    try:
+        return cls.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, source)) from None
+
+
+def load_yaml(cls: type[M], path: str | Path, overrides: dict[str, Any] | None = None) -> M:
+    """Load `path`, apply dotted-key overrides (CLI flags) and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections at the top level")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return validate(cls, data, str(path))

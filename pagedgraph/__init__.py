@@ -1,0 +1,1 @@
+"""pagedgraph: the command line that ties the exporter and the runtime together."""

@@ -1,0 +1,113 @@
+"""`pagedgraph export | generate`: the only module that imports both the exporter and the runtime."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from graphs.settings import ConfigError
+
+
+def _export(args: argparse.Namespace) -> int:
+    from exporter.config import ExportConfig
+    from exporter.export import export
+    from graphs.settings import load_yaml
+
+    config = load_yaml(ExportConfig, args.config, {"model.source": args.model})
+    export(config, args.out)
+    return 0
+
+
+def _read_requests(path: Path) -> list[dict[str, Any]]:
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise ConfigError(f"{path}:{number}: each line must be a JSON object")
+        requests.append(item)
+    return requests
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from runtime.engine import LLM
+    from runtime.sampling_params import RequestError, SamplingParams
+
+    defaults: dict[str, Any] = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                                                  ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed))
+                                if v is not None}
+    if args.prompt is not None:
+        requests = [{"prompt": args.prompt}]
+    elif args.input is not None:
+        requests = _read_requests(Path(args.input))
+    else:
+        raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
+    llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads)
+    prompts, params = [], []
+    prompt_keys = ("prompt", "prompt_token_ids", "messages")
+    rejected: dict[int, str] = {}
+    for i, request in enumerate(requests):
+        prompts.append({k: request[k] for k in prompt_keys if k in request})
+        try:
+            params.append(SamplingParams.from_dict({**defaults, **{k: v for k, v in request.items()
+                                                                    if k not in prompt_keys}}))
+        except (RequestError, TypeError) as exc:
+            rejected[i] = str(exc)
+            params.append(SamplingParams(max_tokens=1))
+            prompts[-1] = {"prompt_token_ids": []}
+    outputs = llm.generate(prompts, params, progress=args.output is not None)
+    lines = []
+    for i, out in enumerate(outputs):
+        record: dict[str, Any] = {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                                  "text": out.text, "finish_reason": out.finish_reason}
+        if i in rejected or out.error:
+            record = {"error": rejected.get(i, out.error), "finish_reason": "error"}
+        lines.append(json.dumps(record, ensure_ascii=False))
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
+    elif args.prompt is not None and not outputs[0].error:
+        print(args.prompt + outputs[0].text)
+    else:
+        print("\n".join(lines))
+    return 1 if len(rejected) == len(requests) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="convert a checkpoint into a bucketed graph artifact")
+    p.add_argument("--config", required=True, help="export YAML (see configs/smollm2.yaml)")
+    p.add_argument("--out", required=True, help="artifact directory to write")
+    p.add_argument("--model", help="override model.source: a .gguf file or an HF directory")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("generate", help="generate from an artifact with the paged, packed runtime")
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--prompt", help="one prompt; prints the completion")
+    p.add_argument("--input", help="JSON Lines requests: prompt | prompt_token_ids | messages, plus sampling fields")
+    p.add_argument("--output", help="JSON Lines results, in input order (default: stdout)")
+    p.add_argument("--max-tokens", type=int, dest="max_tokens", default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float, dest="top_p")
+    p.add_argument("--top-k", type=int, dest="top_k")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--num-blocks", type=int, dest="num_blocks", help="KV pool size in blocks (overrides the budget)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The engine loop (schedule -> pack -> run the bucket graph -> sample -> detokenize) and the `LLM` API."""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence as Seq, Union
+
+from graphs.manifest import Manifest
+from runtime.executor_ort import OrtExecutor
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.packer import Packer
+from runtime.sampler import sample, top_logprobs
+from runtime.sampling_params import RequestError, SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence, SequenceStatus
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = Union[str, Seq[int], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int | None = None  # overrides kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the artifact's
+    threads: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters for metrics and benchmarks."""
+
+    steps: int = 0
+    host_s: float = 0.0
+    graph_s: float = 0.0
+    tokens_computed: int = 0  # rows the graphs ran, padding included
+    tokens_real: int = 0
+    generated: int = 0
+    bucket_hits: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
+        self.artifact = Path(artifact)
+        self.manifest = Manifest.load(self.artifact)
+        self.model = self.manifest.model
+        self.tokenizer = Tokenizer.from_dir(self.artifact)
+        self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
+        block_size = self.manifest.block_size
+        bytes_per_block = 2 * self.model.num_layers * block_size * self.model.kv_size * 4
+        num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
+        self.packer = Packer(self.manifest)
+        self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
+        self.executor = OrtExecutor(self.artifact, self.manifest, num_blocks, config.threads)
+        self.stats = EngineStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def _fit_limits(self, config: EngineConfig) -> tuple[int, int]:
+        """Clamp the scheduler limits to what the exported gears can hold, so every step has a bucket."""
+        prefill = self.packer.gears["prefill"]
+        decode = self.packer.gears["decode"]
+        max_tokens = max(g.tokens for g in prefill)
+        max_seqs = min(max(g.seqs for g in decode), max(g.seqs for g in prefill))
+        return min(config.max_num_seqs, max_seqs), min(config.max_num_batched_tokens, max_tokens)
+
+    # -- requests ---------------------------------------------------------------------------
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "messages" in prompt:
+                text = self.tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            if "prompt" in prompt:
+                return self.tokenizer.encode(prompt["prompt"])
+            raise RequestError("prompt", "a request needs one of prompt, prompt_token_ids or messages")
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival: float | None = None) -> Sequence:
+        """Validate and queue a request; raises RequestError (nothing queued) if it cannot be served."""
+        params = params or SamplingParams()
+        ids = self.prompt_token_ids(prompt)
+        if not ids:
+            raise RequestError("prompt", "is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.model.vocab_size for t in ids):
+            raise RequestError("prompt_token_ids", f"token ids must be integers in [0, {self.model.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prompt", f"{len(ids)} tokens; the model's max_model_len is {self.max_model_len}, "
+                                         f"so prompts must be at most {self.max_model_len - 1} tokens")
+        needed = -(-(len(ids) + 1) // self.kv.block_size)
+        if needed > self.kv.pool.num_blocks - 1:
+            raise RequestError("prompt", f"needs {needed} KV blocks but the pool has {self.kv.pool.num_blocks - 1}; "
+                                         f"raise num_blocks or kv_cache_bytes")
+        if params.n > 1:
+            raise RequestError("n", "parallel sampling (n > 1) is not supported yet; send n = 1")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise RequestError("request_id", f"{request_id!r} is already in flight")
+        seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.perf_counter())
+        self._requests[request_id] = seq
+        self._detok[request_id] = self.tokenizer.detokenizer(skip_special_tokens=True)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one bucket graph; returns the requests that progressed (finished ones included)."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        family, gear = self.packer.select(batch)
+        inputs = self.packer.pack(batch, gear)
+        graph_start = time.perf_counter()
+        try:
+            logits = self.executor.run(gear, inputs)
+        except Exception as exc:  # a failed step fails its own requests only
+            graph_end = time.perf_counter()
+            for seq in batch.seqs:
+                seq.error = f"graph execution failed: {exc}"
+                self._finish(seq, "error")
+            outputs = [self._output(s) for s in batch.seqs]
+        else:
+            graph_end = time.perf_counter()
+            outputs = self._postprocess(batch.seqs, batch.num_tokens, logits)
+        stats = self.stats
+        stats.steps += 1
+        stats.graph_s += graph_end - graph_start
+        stats.host_s += (graph_start - start) + (time.perf_counter() - graph_end)
+        stats.tokens_computed += gear.tokens
+        stats.tokens_real += batch.total_tokens
+        key = f"{family}:T{gear.tokens}xB{gear.seqs}xM{gear.blocks}"
+        stats.bucket_hits[key] = stats.bucket_hits.get(key, 0) + 1
+        return outputs
+
+    def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any) -> list[RequestOutput]:
+        rows, ready = [], []
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                rows.append(i)
+                ready.append(seq)
+        outputs = []
+        if ready:
+            sampled = logits[rows]
+            for row, seq, token in zip(sampled, ready, sample(sampled, ready)):
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
+                self._append(seq, token)
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        self.stats.generated += 1
+        params = seq.params
+        if not params.ignore_eos and (token in self.tokenizer.eos_token_ids or token in params.stop_token_ids):
+            return self._finish(seq, "stop")
+        piece = self._detok[seq.request_id].push(token)
+        if piece:
+            seen = len(seq.text)
+            seq.text += piece
+            for stop in params.stop:
+                at = seq.text.find(stop, max(0, seen - len(stop) + 1))
+                if at >= 0:
+                    seq.text = seq.text[:at]
+                    return self._finish(seq, "stop")
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if reason in ("length", "stop") and not (reason == "stop" and seq.text and seq.params.stop):
+            seq.text += self._detok[seq.request_id].flush()
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, seq.finish_reason,
+                             seq.error, seq.num_cached_tokens, seq.logprobs)
+
+
+class LLM:
+    """Offline batch generation: every prompt is served together by the continuous-batching engine."""
+
+    def __init__(self, artifact: str | Path, **config: Any) -> None:
+        self.engine = LLMEngine(artifact, EngineConfig(**config))
+
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order; a prompt that cannot be served gets `error` set, the rest still run."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params or SamplingParams()] * len(prompts)
+        results: dict[int, RequestOutput] = {}
+        index: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                index[self.engine.add_request(prompt, p).request_id] = i
+            except RequestError as exc:
+                results[i] = RequestOutput(f"rejected-{i}", [], [], "", "error", error=str(exc))
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[index[out.request_id]] = out
+            if progress:
+                print(f"\r{len(results)}/{len(prompts)} requests done", end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+        return [results[i] for i in range(len(prompts))]
+
+
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SequenceStatus"]

@@ -1,0 +1,68 @@
+"""ONNX Runtime executor: one session for all bucket families, pools updated in place.
+
+Each per-layer pool is one OrtValue bound as both the pool input and its aliased output,
+so ScatterND writes into it without a copy; one IOBinding per gear is built once and
+reused, its input OrtValues wrapping the packer's numpy buffers (refilled in place).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from graphs import contract as c
+from graphs.contract import Gear
+from graphs.manifest import Manifest
+
+
+class OrtExecutor:
+    def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None) -> None:
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # Idle spinning threads would steal the cores the host loop needs between steps.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        graphs = {f.graph for f in manifest.families.values()}
+        if len(graphs) != 1:
+            raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
+        self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
+                                            providers=["CPUExecutionProvider"])
+        self.model = manifest.model
+        self.num_slots = num_blocks * manifest.block_size
+        # Zeroed: NaN/Inf in never-written slots would leak into real rows through 0 * NaN.
+        self.pools = {name: np.zeros((self.num_slots, self.model.kv_size), np.float32)
+                      for name in c.cache_names(self.model.num_layers)}
+        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self.pools.items()}
+        self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(a.nbytes for a in self.pools.values())
+
+    def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:
+        cached = self._bindings.get(gear)
+        if cached is None:
+            binding = self.session.io_binding()
+            for name, array in inputs.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            for name, value in self._pool_values.items():
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(c.cache_output_name(name), value)
+            logits = np.zeros((gear.seqs, self.model.vocab_size), np.float32)
+            binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+            cached = self._bindings[gear] = (binding, logits)
+        return cached
+
+    def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one step; `inputs` must be the packer's buffers for this gear (bound once, by identity)."""
+        binding, logits = self._binding(gear, inputs)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy whole blocks src -> dst in every pool (copy-on-write); touches only those rows."""
+        for src, dst in pairs:
+            for pool in self.pools.values():
+                pool[dst * block_size:(dst + 1) * block_size] = pool[src * block_size:(src + 1) * block_size]

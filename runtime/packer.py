@@ -1,0 +1,79 @@
+"""Packs a scheduled batch into one gear's input buffers (created once per gear, reused every step)."""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from graphs import contract as c
+from graphs.contract import DECODE, PREFILL, Gear
+from graphs.manifest import Manifest
+from runtime.scheduler import ScheduledBatch
+
+
+class NoGearError(RuntimeError):
+    pass
+
+
+class Packer:
+    """Bucket selection and input packing; padding rows point at the null block."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.block_size = manifest.block_size
+        self.gears = {name: sorted(f.gears) for name, f in manifest.families.items()}
+        self.buffers: dict[Gear, dict[str, np.ndarray]] = {}
+        self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
+
+    def select(self, batch: ScheduledBatch) -> tuple[str, Gear]:
+        """The smallest gear that fits: decode family when every sequence feeds one token."""
+        family = DECODE if all(n == 1 for n in batch.num_tokens) else PREFILL
+        tokens, seqs = batch.total_tokens, len(batch.seqs)
+        blocks = max(len(s.block_table) for s in batch.seqs)
+        gears = self.gears[family]
+        start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
+        for gear in gears[start:]:
+            if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks:
+                return family, gear
+        raise NoGearError(f"no {family} gear holds T={tokens}, B={seqs}, M={blocks}; "
+                          f"the scheduler limits must stay within the exported ladders")
+
+    def _buffers(self, gear: Gear) -> dict[str, np.ndarray]:
+        buffers = self.buffers.get(gear)
+        if buffers is None:
+            buffers = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
+            self.buffers[gear] = buffers
+        return buffers
+
+    def pack(self, batch: ScheduledBatch, gear: Gear) -> dict[str, np.ndarray]:
+        buf = self._buffers(gear)
+        ids, positions, slots = buf[c.INPUT_IDS], buf[c.POSITIONS], buf[c.SLOT_MAPPING]
+        tables, context_lens = buf[c.BLOCK_TABLES], buf[c.CONTEXT_LENS]
+        cu, logits_indices = buf[c.CU_SEQLENS_Q], buf[c.LOGITS_INDICES]
+        bs = self.block_size
+        tables.fill(c.NULL_BLOCK)
+        row = 0
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            tables[b, :len(table)] = table
+            if n == 1:
+                ids[row] = seq.token_ids[start]
+                positions[row] = start
+                slots[row] = table[start // bs] * bs + start % bs
+            else:
+                ids[row:row + n] = seq.token_ids[start:start + n]
+                pos = positions[row:row + n]
+                np.add(self._arange[:n], start, out=pos)
+                np.add(tables[b, pos // bs].astype(np.int64) * bs, pos % bs, out=slots[row:row + n])
+            cu[b] = row
+            row += n
+            context_lens[b] = start + n
+            logits_indices[b] = row - 1
+        real = len(batch.seqs)
+        ids[row:] = 0
+        positions[row:] = 0
+        slots[row:] = c.NULL_BLOCK * bs
+        cu[real:] = row
+        context_lens[real:] = 0
+        logits_indices[real:] = 0
+        return buf

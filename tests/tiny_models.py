@@ -1,0 +1,106 @@
+"""Tiny random HF checkpoints for tests that compare our readers and graphs with transformers.
+
+torch and transformers are imported inside the builders so this module stays importable
+without them; tests that call the builders should `pytest.importorskip` both first.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+TINY_DIMS: dict[str, int] = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+BOS, EOS, EOT = "<s>", "</s>", "<|eot|>"
+BOS_ID, EOS_ID, EOT_ID = 0, 1, 2  # trainer assigns special tokens the first ids, in order
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}" + EOT + "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, paged attention packs requests into buckets",
+    "user: what is 2 + 2? assistant: 4",
+]
+
+
+def make_tiny_tokenizer() -> Tokenizer:
+    """A byte-level BPE of at most 300 tokens that prepends BOS, like Llama's tokenizers."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_DIMS["vocab_size"],
+        special_tokens=[BOS, EOS, EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    return tokenizer
+
+
+def make_tiny_hf_checkpoint(
+    out_dir: str | os.PathLike[str],
+    arch: str = "llama",
+    tie: bool = True,
+    dtype: str = "float32",
+    rope_scaling: dict[str, Any] | None = None,
+    shard: bool = False,
+) -> Path:
+    """Save a 2-layer GQA model (arch "llama" | "mistral" | "qwen2") plus tokenizer files.
+
+    Norm weights and biases are randomised too (HF initialises them to 1 and 0), so a reader
+    or graph that drops or swaps them fails a comparison instead of passing by accident.
+    `dtype` is a torch dtype name ("float32", "float16", "bfloat16"); `shard=True` splits the
+    weights into many files with a model.safetensors.index.json.
+    """
+    import torch
+    import transformers
+
+    config_classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    config_cls, model_cls = config_classes[arch]
+    extra: dict[str, Any] = {"sliding_window": None} if arch == "mistral" else {}
+    if rope_scaling is not None:
+        extra["rope_scaling"] = rope_scaling
+    config = config_cls(
+        **TINY_DIMS,
+        tie_word_embeddings=tie,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        initializer_range=0.1,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model = model.to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = [EOS_ID, EOT_ID]
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="20KB" if shard else "10GB")
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=make_tiny_tokenizer(), bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE
+    ).save_pretrained(out)
+    return out
