@@ -4,10 +4,11 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 
+from graphs.contract import Gear
 from graphs.manifest import Manifest
 from runtime.executor_ort import OrtExecutor
 from runtime.kv_cache_manager import KVCacheManager
@@ -29,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the artifact's
     threads: int | None = None
+    gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
 
 
 @dataclass
@@ -64,6 +66,9 @@ class LLMEngine:
     def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
         self.artifact = Path(artifact)
         self.manifest = Manifest.load(self.artifact)
+        if config.gears is not None:
+            self.manifest = replace(self.manifest, families={name: replace(f, gears=tuple(config.gears[name]))
+                                                             for name, f in self.manifest.families.items()})
         self.model = self.manifest.model
         self.tokenizer = Tokenizer.from_dir(self.artifact)
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
