@@ -1,8 +1,9 @@
-"""`pagedgraph export | generate`: the only module that imports both the exporter and the runtime."""
+"""`pagedgraph export | generate | serve`: the only module that imports both the exporter and the runtime."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,8 @@ def _generate(args: argparse.Namespace) -> int:
         requests = _read_requests(Path(args.input))
     else:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
-    llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads)
+    llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
+              enable_prefix_caching=not args.no_prefix_caching)
     prompts, params = [], []
     prompt_keys = ("prompt", "prompt_token_ids", "messages")
     rejected: dict[int, str] = {}
@@ -78,6 +80,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 1 if len(rejected) == len(requests) else 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from exporter.config import ExportConfig
+    from exporter.export import export
+    from graphs.manifest import MANIFEST
+    from graphs.settings import load_yaml
+    from runtime.deploy_config import load_deployment
+    from runtime.server.launch import serve
+
+    artifact = str(Path(args.artifact).resolve()) if args.artifact else None
+    deployment = load_deployment(args.config, {"model.artifact": artifact, "server.host": args.host,
+                                               "server.port": args.port, "kv_cache.num_blocks": args.num_blocks,
+                                               "server.api_key": args.api_key})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = deployment.model
+    if not (Path(model.artifact) / MANIFEST).is_file():
+        if model.export_config is None:
+            raise ConfigError(f"model.artifact {model.artifact} is not an exported artifact; export it with "
+                              f"`pagedgraph export`, or set model.export_config so serve builds it")
+        logging.getLogger("pagedgraph.server").info("exporting %s with %s", model.artifact, model.export_config)
+        export(load_yaml(ExportConfig, model.export_config), model.artifact)
+    serve(deployment, args.config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,7 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--num-blocks", type=int, dest="num_blocks", help="KV pool size in blocks (overrides the budget)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--no-prefix-caching", action="store_true", dest="no_prefix_caching",
+                   help="never reuse cached KV blocks across requests")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("serve", help="serve an artifact with an OpenAI-compatible HTTP API")
+    p.add_argument("--config", required=True, help="deployment YAML (see configs/deploy-smollm2.yaml)")
+    p.add_argument("--artifact", help="override model.artifact")
+    p.add_argument("--host", help="override server.host")
+    p.add_argument("--port", type=int, help="override server.port (0: any free port)")
+    p.add_argument("--num-blocks", type=int, dest="num_blocks", help="override kv_cache.num_blocks")
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
+                   help="override server.api_key (default: $PAGEDGRAPH_API_KEY)")
+    p.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)
     try:

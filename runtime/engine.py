@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 
 from graphs.contract import Gear
 from graphs.manifest import Manifest
+from runtime.block_pool import CacheStats
 from runtime.executor_ort import OrtExecutor
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.packer import Packer
@@ -31,6 +32,19 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the artifact's
     threads: int | None = None
     gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
+    enable_prefix_caching: bool = True
+    prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` completions."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -43,9 +57,12 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # all n; token_ids/text above are the first's
 
     @property
     def finished(self) -> bool:
+        if self.outputs:
+            return all(o.finish_reason is not None for o in self.outputs)
         return self.finish_reason is not None
 
 
@@ -60,6 +77,7 @@ class EngineStats:
     tokens_real: int = 0
     generated: int = 0
     bucket_hits: dict[str, int] = field(default_factory=dict)
+    cache: CacheStats = field(default_factory=CacheStats)  # live KV counters: hit rate, evictions, preemptions
 
 
 class LLMEngine:
@@ -77,12 +95,13 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.packer = Packer(self.manifest)
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
+                                 config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
         self.executor = OrtExecutor(self.artifact, self.manifest, num_blocks, config.threads)
-        self.stats = EngineStats()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._requests: dict[str, Sequence] = {}
+        self.stats = EngineStats(cache=self.kv.stats)
+        self._detok: dict[Sequence, IncrementalDetokenizer] = {}
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
 
     def _fit_limits(self, config: EngineConfig) -> tuple[int, int]:
@@ -120,25 +139,25 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise RequestError("prompt", f"{len(ids)} tokens; the model's max_model_len is {self.max_model_len}, "
                                          f"so prompts must be at most {self.max_model_len - 1} tokens")
-        needed = -(-(len(ids) + 1) // self.kv.block_size)
+        # Whole sequence, so one running alone always fits and preemption can never deadlock.
+        needed = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.kv.block_size)
         if needed > self.kv.pool.num_blocks - 1:
-            raise RequestError("prompt", f"needs {needed} KV blocks but the pool has {self.kv.pool.num_blocks - 1}; "
-                                         f"raise num_blocks or kv_cache_bytes")
-        if params.n > 1:
-            raise RequestError("n", "parallel sampling (n > 1) is not supported yet; send n = 1")
+            raise RequestError("prompt", f"prompt plus max_tokens needs {needed} KV blocks but the pool has "
+                                         f"{self.kv.pool.num_blocks - 1}; raise num_blocks or kv_cache_bytes, "
+                                         f"or lower max_tokens")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.perf_counter())
-        self._requests[request_id] = seq
-        self._detok[request_id] = self.tokenizer.detokenizer(skip_special_tokens=True)
+        self._groups[request_id] = [seq]
+        self._detok[seq] = self.tokenizer.detokenizer(skip_special_tokens=True)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.finished:
-            self._finish(seq, "abort")
+        for seq in self._groups.get(request_id, []):
+            if not seq.finished:
+                self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -154,13 +173,16 @@ class LLMEngine:
         inputs = self.packer.pack(batch, gear)
         graph_start = time.perf_counter()
         try:
+            if batch.copies:
+                self.executor.copy_blocks(batch.copies, self.kv.block_size)
             logits = self.executor.run(gear, inputs)
         except Exception as exc:  # a failed step fails its own requests only
             graph_end = time.perf_counter()
+            groups = {s.request_id: self._groups[s.request_id] for s in batch.seqs}
             for seq in batch.seqs:
                 seq.error = f"graph execution failed: {exc}"
                 self._finish(seq, "error")
-            outputs = [self._output(s) for s in batch.seqs]
+            outputs = [self._output(g) for g in groups.values()]
         else:
             graph_end = time.perf_counter()
             outputs = self._postprocess(batch.seqs, batch.num_tokens, logits)
@@ -179,17 +201,37 @@ class LLMEngine:
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
-                rows.append(i)
-                ready.append(seq)
-        outputs = []
+                for s in self._fork(seq):
+                    rows.append(i)
+                    ready.append(s)
+        groups: dict[str, list[Sequence]] = {}
         if ready:
             sampled = logits[rows]
             for row, seq, token in zip(sampled, ready, sample(sampled, ready)):
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
+                groups[seq.request_id] = self._groups[seq.request_id]
                 self._append(seq, token)
-                outputs.append(self._output(seq))
-        return outputs
+        return [self._output(g) for g in groups.values()]
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """`seq`, plus its n - 1 forks when its prompt has just been computed for the first time.
+
+        Forks share every block (copy-on-write on the first write into a shared partial block) and
+        sample from the same logits row, each with its own generator spawned from the request's seed.
+        """
+        group = self._groups[seq.request_id]
+        n = seq.params.n
+        if len(group) == n:
+            return [seq]
+        rngs = seq.rng.spawn(n - 1) if seq.rng is not None else [None] * (n - 1)
+        for rng in rngs:
+            child = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, seq.arrival,
+                             token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens, rng=rng)
+            self.scheduler.fork(seq, child)
+            self._detok[child] = self.tokenizer.detokenizer(skip_special_tokens=True)
+            group.append(child)
+        return group
 
     def _append(self, seq: Sequence, token: int) -> None:
         now = time.perf_counter()
@@ -200,7 +242,7 @@ class LLMEngine:
         params = seq.params
         if not params.ignore_eos and (token in self.tokenizer.eos_token_ids or token in params.stop_token_ids):
             return self._finish(seq, "stop")
-        piece = self._detok[seq.request_id].push(token)
+        piece = self._detok[seq].push(token)
         if piece:
             seen = len(seq.text)
             seq.text += piece
@@ -214,16 +256,21 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        detok = self._detok.pop(seq)
         if reason in ("length", "stop") and not (reason == "stop" and seq.text and seq.params.stop):
-            seq.text += self._detok[seq.request_id].flush()
-        self.scheduler.finish(seq)
-        self._requests.pop(seq.request_id, None)
-        self._detok.pop(seq.request_id, None)
+            seq.text += detok.flush()
+        self.scheduler.finish(seq, keep_cached=reason != "error")
+        if all(s.finished for s in self._groups[seq.request_id]):
+            del self._groups[seq.request_id]
 
     @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, seq.finish_reason,
-                             seq.error, seq.num_cached_tokens, seq.logprobs)
+    def _output(group: list[Sequence]) -> RequestOutput:
+        first = group[0]
+        completions = [CompletionOutput(i, s.output_token_ids, s.text, s.finish_reason, s.logprobs)
+                       for i, s in enumerate(group)]
+        return RequestOutput(first.request_id, first.prompt_token_ids, first.output_token_ids, first.text,
+                             first.finish_reason, next((s.error for s in group if s.error), None),
+                             first.num_cached_tokens, first.logprobs, completions)
 
 
 class LLM:
@@ -258,4 +305,4 @@ class LLM:
         return [results[i] for i in range(len(prompts))]
 
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SequenceStatus"]
+__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SequenceStatus"]

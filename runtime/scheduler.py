@@ -1,28 +1,40 @@
-"""Continuous batching under a token budget: decodes first, chunked prefill, preemption by recompute."""
+"""Continuous batching under a token budget: decodes first, chunked prefill, preemption by recompute.
+
+Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs` sequences:
+running decodes first, then running prefill chunks, then new admissions (FCFS, prefix hits
+first), so a long prompt is fed in block-aligned chunks and cannot stall decodes. When a running
+sequence needs a block and none is free or evictable, the lowest-priority running sequence (the
+latest arrival, `running[-1]`) is preempted: its blocks are freed (they stay cached) and it returns
+to the front of the waiting queue with its tokens, to be recomputed on readmission.
+"""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.kv_cache_manager import KVCacheManager
+from runtime.kv_cache_manager import CopyPairs, KVCacheManager
 from runtime.sequence import Sequence, SequenceStatus
+
+
+def _arrival(seq: Sequence) -> float:
+    return seq.arrival
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's work, in packing order: multi-token chunks first, then single-token sequences."""
+    """One step's work, in packing order: multi-token chunks first, then single-token sequences.
+
+    `copies` are (src, dst) block copies (copy-on-write) to run before the step's graph.
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    copies: CopyPairs = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
-
-
-@dataclass
-class SchedulerStats:
-    preemptions: int = 0
 
 
 class Scheduler:
@@ -31,8 +43,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.stats = SchedulerStats()
+        self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -40,18 +51,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence) -> None:
-        """Leave at once: the blocks are back in the pool before the next step."""
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` (a copy of `parent`'s tokens) beside it, sharing all of its blocks."""
+        self.kv.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=_arrival)
+
+    def finish(self, seq: Sequence, keep_cached: bool = True) -> None:
+        """Leave at once: the blocks are back in the pool before the next step.
+
+        `keep_cached=False` (a failed step) forgets the hashes of the freed blocks: their K/V may be unwritten.
+        """
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq, keep_cached)
         seq.status = SequenceStatus.FINISHED
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens to feed now: all that remain if they fit, else a block-aligned prefix."""
-        remaining = seq.num_uncomputed
+    def _chunk(self, seq: Sequence, budget: int, start: int) -> int:
+        """Tokens to feed from `start`: all that remain if they fit, else a block-aligned prefix."""
+        remaining = seq.num_tokens - start
         if remaining <= budget:
             return remaining
         return budget - budget % self.kv.block_size
@@ -61,43 +81,55 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.stats.preemptions += 1
+        self.kv.stats.preemptions += 1
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        multi = ScheduledBatch()
-        single = ScheduledBatch()
-        # Running sequences in arrival order, decodes before chunks; the latest arrival is preempted first.
-        ordered = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
-        for seq in ordered:
-            if seq not in self.running:  # preempted earlier in this loop
+        plan: dict[Sequence, tuple[int, CopyPairs]] = {}
+        preempted = False
+        # Stable sort: decodes, then chunks, each in arrival order.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            if len(plan) == self.max_num_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, seq.num_computed_tokens)
             if n == 0:
                 continue
-            while not self.kv.allocate_slots(seq, n):
-                victim = next(s for s in reversed(self.running) if s not in multi.seqs and s not in single.seqs)
+            while (copies := self.kv.allocate_slots(seq, n)) is None:
+                victim = self.running[-1]
+                if victim in plan:  # scheduled earlier in this loop: give its tokens back
+                    budget += plan.pop(victim)[0]
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            target = multi if n > 1 else single
-            target.seqs.append(seq)
-            target.num_tokens.append(n)
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if copies is not None:
+                plan[seq] = (n, copies)
+                budget -= n
+        # No preemption past this point, so the step's full blocks can be offered to admissions below.
+        for seq, (n, _) in plan.items():
+            self.kv.cache_blocks(seq, seq.num_computed_tokens + n)
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs \
+                and len(plan) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            if n == 0 or not self.kv.allocate_slots(seq, n):
+            hits = self.kv.computed_blocks(seq)
+            n = self._chunk(seq, budget, len(hits) * self.kv.block_size)
+            if n == 0 or (copies := self.kv.allocate_slots(seq, n, hits)) is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            target = multi if n > 1 else single
-            target.seqs.append(seq)
-            target.num_tokens.append(n)
+            bisect.insort(self.running, seq, key=_arrival)
+            self.kv.cache_blocks(seq, seq.num_computed_tokens + n)
+            plan[seq] = (n, copies)
             budget -= n
-        if not multi.seqs and not single.seqs:
+        if not plan:
             return None
-        return ScheduledBatch(multi.seqs + single.seqs, multi.num_tokens + single.num_tokens)
+        batch = ScheduledBatch()
+        for multi in (True, False):
+            for seq, (n, copies) in plan.items():
+                if (n > 1) is multi:
+                    batch.seqs.append(seq)
+                    batch.num_tokens.append(n)
+                    batch.copies.extend(copies)
+        return batch
