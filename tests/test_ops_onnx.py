@@ -1,0 +1,118 @@
+"""Each atb function, run by ONNX Runtime, equals its numpy reference in graphs/ops."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from exporter.onnx.functions import FUNCTIONS
+from exporter.onnx.nodes import ATB_DOMAIN, OPSET
+from graphs import ops
+
+F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+
+
+def run_op(op: str, inputs: dict[str, np.ndarray], outputs: list[str], **attrs: object) -> list[np.ndarray]:
+    types = {np.dtype(np.float32): F32, np.dtype(np.int32): I32, np.dtype(np.int64): I64}
+    infos = [helper.make_tensor_value_info(k, types[v.dtype], [f"{k}_{i}" for i in range(v.ndim)])
+             for k, v in inputs.items()]
+    outs = [helper.make_tensor_value_info(o, F32, [f"{o}_{i}" for i in range(2)]) for o in outputs]
+    node = helper.make_node(op, list(inputs), outputs, domain=ATB_DOMAIN, **attrs)
+    model = helper.make_model(helper.make_graph([node], op, infos, outs),
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
+                              functions=[FUNCTIONS[op]()], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)
+
+
+def test_rms_norm_rope_swiglu() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 48), dtype=np.float32)
+    w = rng.standard_normal(48, dtype=np.float32)
+    (y,) = run_op("RmsNorm", {"x": x, "weight": w}, ["y"], epsilon=1e-5)
+    np.testing.assert_allclose(y, ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    q, k = rng.standard_normal((7, 4 * 16), dtype=np.float32), rng.standard_normal((7, 2 * 16), dtype=np.float32)
+    angles = rng.uniform(0, 6, (7, 8)).astype(np.float32)
+    cos = np.cos(np.concatenate([angles, angles], 1))
+    sin = np.sin(np.concatenate([angles, angles], 1))
+    qo, ko = run_op("Rope", {"query": q, "key": k, "cos": cos, "sin": sin}, ["qo", "ko"])
+    np.testing.assert_allclose(qo, ops.rope(q, cos, sin, 16), atol=1e-5)
+    np.testing.assert_allclose(ko, ops.rope(k, cos, sin, 16), atol=1e-5)
+    (s,) = run_op("SwiGLU", {"x": x}, ["s"])
+    np.testing.assert_allclose(s, ops.swiglu(x), rtol=1e-5, atol=1e-6)
+
+
+def test_reshape_and_cache_writes_only_its_slots() -> None:
+    rng = np.random.default_rng(1)
+    k_cache, v_cache = np.zeros((64, 8), np.float32), np.ones((64, 8), np.float32)
+    key, value = rng.standard_normal((3, 8), dtype=np.float32), rng.standard_normal((3, 8), dtype=np.float32)
+    slots = np.array([17, 5, 40])
+    ko, vo = run_op("ReshapeAndCache", {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
+                                        "slot_mapping": slots}, ["ko", "vo"])
+    want_k, want_v = ops.reshape_and_cache(key, value, k_cache.copy(), v_cache.copy(), slots)
+    np.testing.assert_array_equal(ko, want_k)
+    np.testing.assert_array_equal(vo, want_v)
+
+
+def _mixed_batch(rng: np.random.Generator, heads: int, kv_heads: int, block_size: int = 16):
+    """Prefill chunks (with and without cached context), then decodes, then padding; packer order."""
+    d = 8
+    q_lens = [5, 3, 17, 1, 1, 1]  # multi-query sequences first, then single-query ones
+    ctx = [5, 20, 40, 33, 1, 16]  # a fresh prompt, a chunk over 17 cached tokens, ..., decodes
+    pad_seqs, pad_tokens = 2, 4
+    blocks_per_seq = 4
+    num_blocks = 1 + len(q_lens) * blocks_per_seq
+    tables = np.zeros((len(q_lens) + pad_seqs, blocks_per_seq), np.int32)
+    perm = rng.permutation(np.arange(1, num_blocks))
+    for b, c in enumerate(ctx):
+        used = -(-c // block_size)
+        tables[b, :used] = perm[b * blocks_per_seq: b * blocks_per_seq + used]
+    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad_seqs, sum(q_lens))]).astype(np.int32)
+    context_lens = np.array(ctx + [0] * pad_seqs, np.int32)
+    tokens = sum(q_lens) + pad_tokens
+    query = rng.standard_normal((tokens, heads * d), dtype=np.float32)
+    k_cache = rng.standard_normal((num_blocks * block_size, kv_heads * d), dtype=np.float32)
+    v_cache = rng.standard_normal((num_blocks * block_size, kv_heads * d), dtype=np.float32)
+    return query, k_cache, v_cache, tables, context_lens, cu, sum(q_lens)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (9, 3)])
+def test_paged_attention_mixed_prefill_chunks_and_decodes(heads: int, kv_heads: int) -> None:
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    query, k_cache, v_cache, tables, ctx, cu, real = _mixed_batch(rng, heads, kv_heads)
+    attrs = dict(head_num=heads, kv_head_num=kv_heads, qk_scale=0.3, block_size=16)
+    (got,) = run_op("PagedAttention", {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+                                       "context_lens": ctx, "cu_seqlens_q": cu}, ["out"], **attrs)
+    want = ops.paged_attention(query, k_cache, v_cache, tables, ctx, cu, **attrs)
+    assert got.shape == query.shape
+    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-5)
+    assert np.isfinite(got).all()
+
+
+def test_paged_attention_decode_only_and_prefill_only() -> None:
+    rng = np.random.default_rng(7)
+    query, k_cache, v_cache, tables, ctx, cu, _ = _mixed_batch(rng, 4, 2)
+    attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.3, block_size=16)
+    for lo, hi in ((0, 3), (3, 6)):  # only the multi-query sequences, then only the decodes
+        sub_cu = (cu[lo:hi + 1] - cu[lo]).astype(np.int32)
+        sub_q = query[cu[lo]:cu[hi]]
+        inputs = {"query": sub_q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables[lo:hi],
+                  "context_lens": ctx[lo:hi], "cu_seqlens_q": sub_cu}
+        (got,) = run_op("PagedAttention", inputs, ["out"], **attrs)
+        want = ops.paged_attention(sub_q, k_cache, v_cache, tables[lo:hi], ctx[lo:hi], sub_cu, **attrs)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_self_attention_packed_causal() -> None:
+    rng = np.random.default_rng(3)
+    cu = np.array([0, 6, 7, 19, 19], np.int32)
+    query = rng.standard_normal((21, 4 * 8), dtype=np.float32)
+    key = rng.standard_normal((21, 2 * 8), dtype=np.float32)
+    value = rng.standard_normal((21, 2 * 8), dtype=np.float32)
+    attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.35)
+    (got,) = run_op("SelfAttention", {"query": query, "key": key, "value": value, "cu_seqlens_q": cu}, ["out"], **attrs)
+    want = ops.self_attention(query, key, value, cu, **attrs)
+    np.testing.assert_allclose(got[:19], want[:19], rtol=1e-4, atol=1e-5)
