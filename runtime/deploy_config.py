@@ -1,0 +1,156 @@
+"""The deployment YAML: which artifact to serve and how (KV pool, buckets, scheduler, sampling defaults, server).
+
+Checked in two passes with one error style (field path, value, what is allowed): the schema when the file
+loads (types, ranges, unknown keys), then `engine_config` against the artifact's manifest (block size,
+exported gears, max_model_len). Relative paths in the file are relative to the file itself. Building a
+missing artifact from `model.export_config` is the CLI's job: the runtime never imports the exporter.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from graphs.contract import DECODE, PREFILL, Gear
+from graphs.manifest import Manifest
+from graphs.settings import ConfigError, Settings, load_yaml
+from runtime.engine import EngineConfig
+from runtime.sampling_params import RequestError, SamplingParams
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class ModelSection(Settings):
+    artifact: str = Field(description="exported artifact directory")
+    name: str | None = Field(None, description="model id served at /v1/models; default: the artifact's folder name")
+    export_config: str | None = Field(None, description="export YAML `pagedgraph serve` runs if the artifact is missing")
+
+
+class KVCacheSection(Settings):
+    block_size: int | None = Field(None, ge=1, description="must equal the artifact's; default: the artifact's")
+    num_blocks: int | None = Field(None, ge=2, description="pool size in blocks; wins over kv_cache_bytes")
+    kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="pool budget in bytes")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
+
+
+class BucketsSection(Settings):
+    """Subsets of the exported ladders to serve with (default: all); fewer gears, fewer first-run warmups."""
+
+    decode_batch: list[int] | None = None
+    prefill_tokens: list[int] | None = None
+    context_blocks: list[int] | None = None
+
+    @field_validator("decode_batch", "prefill_tokens", "context_blocks")
+    @classmethod
+    def _ascending(cls, ladder: list[int] | None) -> list[int] | None:
+        if ladder is not None and (not ladder or ladder != sorted(set(ladder)) or ladder[0] < 1):
+            raise ValueError("must be a non-empty, strictly ascending list of positive integers")
+        return ladder
+
+
+class SchedulerSection(Settings):
+    max_num_seqs: int = Field(64, ge=1, description="sequences per step (clamped to the largest gear)")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step (clamped to the largest prefill gear)")
+    max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens; default: the artifact's")
+
+
+class SamplingDefaults(Settings):
+    """Values used when a request leaves a field out."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @model_validator(mode="after")
+    def _valid(self) -> "SamplingDefaults":
+        try:
+            SamplingParams(**self.model_dump())
+        except RequestError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class ServerSection(Settings):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer <key>` on /v1/*")
+    max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations; more get 429")
+    request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer is aborted")
+
+
+class ExecutorSection(Settings):
+    threads: int | None = Field(None, ge=1, description="ONNX Runtime intra-op threads (default: all cores)")
+
+
+class Deployment(Settings):
+    model: ModelSection
+    kv_cache: KVCacheSection = KVCacheSection()
+    buckets: BucketsSection = BucketsSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    sampling: SamplingDefaults = SamplingDefaults()
+    server: ServerSection = ServerSection()
+    executor: ExecutorSection = ExecutorSection()
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name or Path(self.model.artifact).name
+
+
+def load_deployment(path: str | Path, overrides: dict[str, Any] | None = None) -> Deployment:
+    """Load and validate `path`; dotted-key `overrides` (CLI flags) win, None values are ignored."""
+    deployment = load_yaml(Deployment, path, overrides)
+    base = Path(path).resolve().parent
+    model = deployment.model
+    paths = {key: str(base / Path(value).expanduser()) for key, value in
+             (("artifact", model.artifact), ("export_config", model.export_config)) if value is not None}
+    return deployment.model_copy(update={"model": model.model_copy(update=paths)})
+
+
+def _exported(manifest: Manifest) -> dict[str, list[int]]:
+    """The artifact's ladders, read back from its gears."""
+    prefill, decode = manifest.families[PREFILL].gears, manifest.families[DECODE].gears
+    return {"decode_batch": sorted({g.seqs for g in decode}), "prefill_tokens": sorted({g.tokens for g in prefill}),
+            "context_blocks": sorted({g.blocks for g in prefill + decode})}
+
+
+def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> EngineConfig:
+    """Check the deployment against the artifact and build the engine's configuration."""
+    artifact = deployment.model.artifact
+    problems = []
+    block_size = deployment.kv_cache.block_size
+    if block_size is not None and block_size != manifest.block_size:
+        problems.append(f"kv_cache.block_size = {block_size}: the artifact {artifact} was exported with block_size "
+                        f"{manifest.block_size}; set {manifest.block_size} (or drop the key), or re-export")
+    max_model_len = deployment.scheduler.max_model_len or manifest.max_model_len
+    if max_model_len > manifest.max_model_len:
+        problems.append(f"scheduler.max_model_len = {max_model_len}: the artifact {artifact} was exported for at most "
+                        f"{manifest.max_model_len}; lower it, or re-export with a larger export.max_model_len")
+    exported = _exported(manifest)
+    chosen = {}
+    for name, values in exported.items():
+        wanted = getattr(deployment.buckets, name)
+        missing = sorted(set(wanted or ()) - set(values))
+        if missing:
+            problems.append(f"buckets.{name} = {wanted}: {missing} not exported; the artifact {artifact} has "
+                            f"{name} {values}: choose a subset, or re-export with them in export.buckets.{name}")
+        chosen[name] = set(wanted or values)
+    needed = math.ceil(max_model_len / manifest.block_size)
+    if max(chosen["context_blocks"]) < needed:
+        problems.append(f"buckets.context_blocks = {sorted(chosen['context_blocks'])}: max_model_len {max_model_len} "
+                        f"needs {needed} blocks per sequence; add {needed} or lower scheduler.max_model_len")
+    if problems:
+        raise ConfigError(f"invalid deployment in {source}:\n  " + "\n  ".join(problems))
+    blocks = chosen["context_blocks"]
+    gears: dict[str, list[Gear]] = {
+        PREFILL: [g for g in manifest.families[PREFILL].gears
+                  if g.tokens in chosen["prefill_tokens"] and g.blocks in blocks],
+        DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in chosen["decode_batch"] and g.blocks in blocks],
+    }
+    kv, scheduler = deployment.kv_cache, deployment.scheduler
+    return EngineConfig(num_blocks=kv.num_blocks, kv_cache_bytes=kv.kv_cache_bytes, max_num_seqs=scheduler.max_num_seqs,
+                        max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,
+                        threads=deployment.executor.threads, gears=gears,
+                        enable_prefix_caching=kv.enable_prefix_caching)

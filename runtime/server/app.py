@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP API over one shared engine loop.
+
+Requests are validated and tokenized on the event loop, then handed to the `EngineLoop`; a handler
+holds a `RequestHandle` until its request finishes, and whichever way it ends (answered, timed
+out, client gone) the handle is closed, which aborts an unfinished request and frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import jinja2
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from runtime.deploy_config import Deployment
+from runtime.engine import RequestOutput
+from runtime.sampling_params import RequestError, SamplingParams
+from runtime.server import metrics
+from runtime.server.engine_loop import EngineLoop, RequestHandle
+from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse
+
+log = logging.getLogger("pagedgraph.server")
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends, even if the body never started (early disconnect)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body is already read, so only `http.disconnect` can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Server:
+    loop: EngineLoop
+    deployment: Deployment
+    counters: metrics.ServerCounters = field(default_factory=metrics.ServerCounters)
+
+    def __post_init__(self) -> None:
+        self.model = self.deployment.model_name
+        self.tokenizer = self.loop.engine.tokenizer
+        self.max_model_len = self.loop.engine.max_model_len
+        self.defaults = self.deployment.sampling.model_dump()
+        self.limits = self.deployment.server
+
+    # -- admission ----------------------------------------------------------------------------
+    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+                 "seed": body.seed, "stop": body.stop, "n": body.n, "logprobs": logprobs, "ignore_eos": body.ignore_eos}
+        try:
+            return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+
+    async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
+                       max_tokens: int | None, logprobs: int | None) -> Response:
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's max_model_len is {self.max_model_len}, "
+                                f"so prompts must be at most {self.max_model_len - 1} tokens",
+                           param=prompt_field, code="context_length_exceeded")
+        params = self._params(body, max_tokens, logprobs)
+        if self.counters.in_flight >= self.limits.max_concurrent_requests:
+            self.counters.rejected += 1
+            raise APIError(429, f"the server is at max_concurrent_requests = {self.limits.max_concurrent_requests}; "
+                                "retry shortly", type_="rate_limit_error", code="rate_limit_exceeded")
+        self.counters.in_flight += 1
+        try:
+            handle = await self.loop.submit(ids, params, self.limits.request_timeout_s)
+        except RequestError as exc:
+            self.counters.in_flight -= 1
+            raise APIError(400, str(exc), param=exc.field) from None
+        except BaseException:
+            self.counters.in_flight -= 1
+            raise
+        self.counters.prompt_tokens += len(ids)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            return _EventStream(self._events(handle, fmt, params.n, hold, include_usage), lambda: self._close(handle))
+        try:
+            out = await self._wait(request, handle)
+        finally:
+            self._close(handle)
+        if out.error:
+            raise APIError(500, out.error, type_="server_error")
+        return JSONResponse(fmt.response(out))
+
+    def _close(self, handle: RequestHandle) -> None:
+        if not handle.finished:
+            self.counters.finished["abort"] += 1
+        handle.close()
+        self.counters.in_flight -= 1
+
+    def _finished(self, out: RequestOutput) -> None:
+        self.counters.finished[out.finish_reason or "error"] += 1
+        self.counters.cached_tokens += out.num_cached_tokens
+
+    # -- answering ----------------------------------------------------------------------------
+    def _timeout(self) -> APIError:
+        return APIError(408, f"the request ran past request_timeout_s = {self.limits.request_timeout_s} and was "
+                             "aborted", type_="timeout_error", code="request_timeout")
+
+    async def _wait(self, request: Request, handle: RequestHandle) -> RequestOutput:
+        result = asyncio.ensure_future(handle.result())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            result.cancel()
+            gone.cancel()
+        if not result.done() or result.cancelled():
+            raise APIError(499, "the client closed the connection", code="client_closed_request")
+        if isinstance(result.exception(), TimeoutError):
+            raise self._timeout()
+        self._finished(result.result())
+        return result.result()
+
+    async def _events(self, handle: RequestHandle, fmt: Format, n: int, hold: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        for chunk in fmt.opening(n):
+            yield sse(chunk)
+        tracker = DeltaTracker(fmt, hold)
+        out = None
+        try:
+            async for out in handle:
+                if out.error:
+                    yield sse(APIError(500, out.error, type_="server_error").body())
+                    break
+                chunk = tracker.chunk(out)
+                if chunk is not None:
+                    yield sse(chunk)
+        except TimeoutError:
+            yield sse(self._timeout().body())
+            out = None
+        if out is not None and out.finished:
+            self._finished(out)
+            if include_usage:
+                yield sse(fmt.usage_chunk(out))
+        yield sse("[DONE]")
+
+    # -- endpoints ----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
+                           param="model", code="model_not_found")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
+                                    "(concurrent requests are batched together)", param="prompt")
+            prompt = prompt[0]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs)
+        return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        try:
+            text = self.tokenizer.apply_chat_template([m.plain() for m in body.messages], add_generation_prompt=True)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        fmt = ChatFormat(self.model, self.tokenizer, logprobs)
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs)
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "pagedgraph",
+                "max_model_len": self.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def metrics_text(self) -> str:
+        return metrics.render(await self.loop.snapshot(), self.counters)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    loc = [str(p) for p in first["loc"][1:]]
+    if first["type"] == "json_invalid":
+        return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
+    param = ".".join(loc) or None
+    shown = "" if isinstance(first.get("input"), dict) else f" = {first.get('input')!r}"
+    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    return JSONResponse(APIError(400, f"{param or 'body'}{shown}: {message}", param=param).body(), 400)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(), exc.status_code)
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(APIError(500, f"internal error: {exc}", type_="server_error").body(), 500)
+
+
+def _bearer(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                           type_="authentication_error", code="invalid_api_key")
+    return check
+
+
+def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread."""
+    server = Server(loop, deployment)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="pagedgraph", lifespan=lifespan)
+    app.state.server = server
+    for exc_type, handler in ((RequestValidationError, _validation_error), (StarletteHTTPException, _http_error),
+                              (APIError, _api_error), (Exception, _server_error)):
+        app.add_exception_handler(exc_type, handler)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(deployment.server.api_key))])
+    v1.add_api_route("/completions", server.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
+    v1.add_api_route("/models", server.models, methods=["GET"])
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok" if loop.alive else "engine stopped"}, 200 if loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> PlainTextResponse:
+        return PlainTextResponse(await server.metrics_text(), media_type=metrics.CONTENT_TYPE)
+
+    return app

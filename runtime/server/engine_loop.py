@@ -1,0 +1,212 @@
+"""One thread owns the engine; HTTP handlers reach it only through a command queue.
+
+The engine is not thread-safe, so every engine call (add, abort, step, metrics) runs on the loop
+thread: handlers enqueue commands, the thread runs them between steps and hands each step's outputs
+back to the event loop in one `call_soon_threadsafe`. All HTTP requests share that one loop, which is
+what makes batching continuous across them. The thread blocks on the queue while the engine is idle.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from runtime.engine import LLMEngine, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("pagedgraph.server")
+T = TypeVar("T")
+_STOP = object()
+_EXPIRED = object()
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state for /metrics, read on the engine thread."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int  # the null block excluded
+    kv_blocks_free: int  # evictable prefix-cache blocks included
+    kv_blocks_cached: int  # registered in the prefix cache, used or evictable
+    steps: int
+    graph_s: float
+    host_s: float
+    tokens_computed: int
+    tokens_real: int
+    generated: int
+    preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int
+    bucket_hits: dict[str, int] = field(default_factory=dict)
+
+
+class RequestHandle:
+    """One request's outputs, as the engine produces them; `close()` aborts it unless it finished.
+
+    Iterating raises TimeoutError once `timeout_s` has passed without a final output.
+    """
+
+    def __init__(self, loop: "EngineLoop", request_id: str, timeout_s: float) -> None:
+        self.request_id = request_id
+        self.outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._loop = loop
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self.outputs.put_nowait, _EXPIRED)
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        """The newest output: outputs are cumulative, so skipped ones lose nothing."""
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.outputs.get()
+        while out is not _EXPIRED and not out.finished and not self.outputs.empty():
+            out = self.outputs.get_nowait()
+        if out is _EXPIRED:
+            raise TimeoutError(self.request_id)
+        self.finished = out.finished
+        return out
+
+    async def result(self) -> RequestOutput:
+        async for out in self:
+            if out.finished:
+                return out
+        raise RuntimeError(f"{self.request_id} ended without a final output")
+
+    def close(self) -> None:
+        self._timer.cancel()
+        self._loop.release(self)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}  # event-loop side only
+        self._live: set[str] = set()  # engine-thread side only: requests added and not yet finished
+        self._ids = itertools.count()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        self._event_loop = event_loop
+        self._thread = threading.Thread(target=self._run, name="pagedgraph-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- event-loop side --------------------------------------------------------------------
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(error: BaseException | None, result: Any) -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, exc, None)
+            else:
+                loop.call_soon_threadsafe(settle, None, result)
+
+        self._commands.put(command)
+        return await future
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float) -> RequestHandle:
+        """Queue a request; raises the engine's RequestError if it cannot be served (nothing stays queued)."""
+        handle = RequestHandle(self, f"req-{next(self._ids)}", timeout_s)
+        self._handles[handle.request_id] = handle
+        try:
+            await self.call(lambda: self._add(handle.request_id, prompt_token_ids, params))
+        except BaseException:  # cancelled or refused: the abort queued behind the add undoes it
+            handle.close()
+            raise
+        return handle
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.call(self._snapshot)
+
+    def release(self, handle: RequestHandle) -> None:
+        if self._handles.pop(handle.request_id, None) is not None and not handle.finished:
+            self._commands.put(lambda: self._abort(handle.request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is not None:
+                handle.outputs.put_nowait(out)
+
+    # -- engine-thread side -----------------------------------------------------------------
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request({"prompt_token_ids": prompt_token_ids}, params, request_id)
+        self._live.add(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._live.discard(request_id)
+            self.engine.abort(request_id)
+
+    def _snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        stats, cache, pool = engine.stats, engine.stats.cache, engine.kv.pool
+        return EngineSnapshot(len(engine.scheduler.running), len(engine.scheduler.waiting), pool.num_blocks - 1,
+                              pool.num_free, len(pool.cached), stats.steps, stats.graph_s, stats.host_s,
+                              stats.tokens_computed, stats.tokens_real, stats.generated, cache.preemptions,
+                              cache.queries, cache.hits, dict(stats.bucket_hits))
+
+    def _run(self) -> None:
+        engine, commands = self.engine, self._commands
+        while True:
+            command = commands.get() if not engine.has_unfinished() else self._next_command()
+            while command is not None:
+                if command is _STOP:
+                    return
+                command()
+                command = self._next_command()
+            if engine.has_unfinished():
+                self._step()
+
+    def _next_command(self) -> Any:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # an engine bug: fail what is in flight, keep serving new requests
+            log.exception("engine step failed; failing %d in-flight requests", len(self._live))
+            error = f"engine step failed: {exc}"
+            outputs = [RequestOutput(rid, [], [], "", "error", error=error) for rid in self._live]
+            for rid in list(self._live):
+                self._abort(rid)
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if outputs:
+            assert self._event_loop is not None
+            self._event_loop.call_soon_threadsafe(self._deliver, outputs)

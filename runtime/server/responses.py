@@ -1,0 +1,154 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks, for /v1/completions and /v1/chat/completions.
+
+A `Format` turns one request's progress into the endpoint's JSON: the whole response at the end, or
+chunks of new text when streaming (`DeltaTracker` decides what is new). Both endpoints share the
+envelope, usage and token rendering; one choice per completion of the request (`n`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from runtime.engine import CompletionOutput, RequestOutput
+from runtime.tokenizer import Tokenizer
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def completions(out: RequestOutput) -> list[CompletionOutput]:
+    return out.outputs or [CompletionOutput(0, out.token_ids, out.text, out.finish_reason, out.logprobs)]
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    prompt, generated = len(out.prompt_token_ids), sum(len(c.token_ids) for c in completions(out))
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+class Format:
+    """Shared envelope (id, created, model) and token rendering; subclasses shape the choices."""
+
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.top_logprobs = top_logprobs
+        self._tokenizer = tokenizer
+        self._bytes = tokenizer.byte_table(False)
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's own text and bytes (a partial UTF-8 character shows as U+FFFD, its bytes stay exact)."""
+        raw = self._bytes[token_id] if self._bytes is not None else self._tokenizer.decode([token_id]).encode()
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [self.choice(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in completions(out)]
+        return {**self.envelope(self.object, choices), "usage": usage(out)}
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self.envelope(self.chunk_object, []), "usage": usage(out)}
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        """Chunks sent before any text."""
+        return []
+
+    def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+               finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+              finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"tokens": [self.token(t)[0] for t in token_ids],
+                "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [{self.token(alt)[0]: value for alt, value in lp.items()} for lp in logprobs]}
+
+    def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+               finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self._logprobs(token_ids, logprobs),
+                "finish_reason": finish_reason}
+
+    delta = choice
+
+
+class ChatFormat(Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            best = sorted(lp.items(), key=lambda kv: -kv[1])[:self.top_logprobs]
+            content.append({**self._entry(t, lp[t]), "top_logprobs": [self._entry(a, v) for a, v in best]})
+        return {"content": content}
+
+    def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+               finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+              finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        return [self.envelope(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None} for i in range(n)])]
+
+
+class DeltaTracker:
+    """What each choice has streamed so far, and the next chunk's choices.
+
+    Text within `hold` characters of a running choice's end waits: a stop string may still cut it off,
+    so the streamed text always equals the non-streamed text.
+    """
+
+    def __init__(self, fmt: Format, hold: int) -> None:
+        self.fmt = fmt
+        self.hold = hold
+        self.sent: dict[int, tuple[int, int, bool]] = {}  # index -> (characters, tokens, finished)
+
+    def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
+        choices = []
+        for c in completions(out):
+            chars, tokens, closed = self.sent.get(c.index, (0, 0, False))
+            if closed:
+                continue
+            done = c.finish_reason is not None
+            end = len(c.text) if done else len(c.text) - self.hold
+            text = c.text[chars:end] if end > chars else ""
+            count = len(c.token_ids)
+            if text or done or (self.fmt.top_logprobs is not None and count > tokens):
+                choices.append(self.fmt.delta(c.index, text, c.token_ids[tokens:], c.logprobs[tokens:count],
+                                              c.finish_reason))
+                self.sent[c.index] = (chars + len(text), count, done)
+        return self.fmt.envelope(self.fmt.chunk_object, choices) if choices else None
