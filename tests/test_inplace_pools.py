@@ -1,0 +1,67 @@
+"""The KV pools are written in place: same buffer every step, and no full-pool copy per step.
+
+A copy shows up as step time growing with the pool: here the large pool (256 MiB) is 2048x the small one,
+so a per-step copy would cost ~100x a step of the tiny model; the ratio bound is loose on purpose.
+"""
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter.config import ExportConfig
+from exporter.export import export
+from runtime.engine import EngineConfig, LLMEngine
+from runtime.sampling_params import SamplingParams
+from tests.tiny_models import make_tiny_hf_checkpoint
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("inplace")
+    model_dir = make_tiny_hf_checkpoint(root / "hf", arch="llama", tie=True)
+    config = ExportConfig.model_validate({"model": {"source": str(model_dir)}, "export": {
+        "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
+    export(config, root / "artifact", log=io.StringIO())
+    return root / "artifact"
+
+
+def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:
+    engine = LLMEngine(artifact, EngineConfig(num_blocks=num_blocks, threads=1))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for prompt in ([1, 2, 3], [4, 5, 6, 7], [8], [9, 10]):
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    engine.step()  # prefill
+    addresses = {name: pool.ctypes.data for name, pool in engine.executor.pools.items()}
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = (time.perf_counter() - start) / steps
+    assert {name: pool.ctypes.data for name, pool in engine.executor.pools.items()} == addresses
+    return elapsed, engine
+
+
+def test_pools_written_in_place(tiny_artifact: Path) -> None:
+    engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=8))
+    seq = engine.add_request({"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    block = seq.block_table[0]
+    pool = engine.executor.pools["k_cache_0"]
+    rows = pool[block * 16: block * 16 + 5]
+    assert np.abs(rows).sum(axis=1).min() > 0, "ORT did not write this step's keys into our pool buffer"
+    assert not pool[block * 16 + 5:].any() or block != 1, "wrote past the prompt"
+
+
+def test_step_time_does_not_grow_with_pool_size(tiny_artifact: Path) -> None:
+    small, _ = _decode_seconds(tiny_artifact, num_blocks=16)
+    large, engine = _decode_seconds(tiny_artifact, num_blocks=32768)
+    pool_mib = engine.executor.pool_bytes / 2**20
+    assert pool_mib >= 256
+    assert large < 3 * small + 0.002, f"decode step {large * 1e3:.2f} ms with a {pool_mib:.0f} MiB pool vs {small * 1e3:.2f} ms"

@@ -1,0 +1,66 @@
+"""The packer fills a gear's buffers exactly: packed tokens, no per-request padding, null-block padding."""
+from __future__ import annotations
+
+import numpy as np
+
+from graphs import contract as c
+from graphs.config import ModelConfig
+from graphs.contract import DECODE, PREFILL, Gear
+from graphs.manifest import Family, Manifest
+from runtime.packer import Packer
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import ScheduledBatch
+from runtime.sequence import Sequence
+
+MODEL = ModelConfig("llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                    tie_word_embeddings=True)
+
+
+def _packer() -> Packer:
+    prefill = tuple(Gear(t, 4, m) for t in (8, 32) for m in (2, 4))
+    decode = tuple(Gear(b, b, m) for b in (2, 4) for m in (2, 4))
+    families = {PREFILL: Family("graphs/model.onnx", prefill), DECODE: Family("graphs/model.onnx", decode)}
+    return Packer(Manifest(MODEL, 16, 64, "float32", families, {}))
+
+
+def _seq(tokens: list[int], computed: int, table: list[int]) -> Sequence:
+    seq = Sequence("r", tokens, SamplingParams(), 0.0)
+    seq.num_computed_tokens = computed
+    seq.block_table = table
+    return seq
+
+
+def test_mixed_batch_exact_arrays() -> None:
+    packer = _packer()
+    fresh = _seq(list(range(1, 6)), 0, [3])  # 5-token prompt
+    chunk = _seq(list(range(10, 30)), 16, [5, 7])  # second chunk: tokens 16..19 after 16 cached
+    decode = _seq([40, 41, 42], 2, [9])  # decoding its third token
+    batch = ScheduledBatch([fresh, chunk, decode], [5, 4, 1])
+    family, gear = packer.select(batch)
+    assert (family, gear) == (PREFILL, Gear(32, 4, 2))
+    buf = packer.pack(batch, gear)
+    padding = 32 - 10
+    np.testing.assert_array_equal(buf[c.INPUT_IDS], [1, 2, 3, 4, 5, 26, 27, 28, 29, 42] + [0] * padding)
+    np.testing.assert_array_equal(buf[c.POSITIONS], [0, 1, 2, 3, 4, 16, 17, 18, 19, 2] + [0] * padding)
+    np.testing.assert_array_equal(
+        buf[c.SLOT_MAPPING], [48, 49, 50, 51, 52, 112, 113, 114, 115, 146] + [0] * padding)  # null block: slot 0
+    np.testing.assert_array_equal(buf[c.BLOCK_TABLES], [[3, 0], [5, 7], [9, 0], [0, 0]])
+    np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [5, 20, 3, 0])
+    np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 5, 9, 10, 10])
+    np.testing.assert_array_equal(buf[c.LOGITS_INDICES], [4, 8, 9, 0])
+
+
+def test_decode_batch_uses_decode_family_and_reuses_buffers() -> None:
+    packer = _packer()
+    seqs = [_seq([1, 2, 3], 2, [4]), _seq([5, 6], 1, [6, 8])]
+    batch = ScheduledBatch(seqs, [1, 1])
+    family, gear = packer.select(batch)
+    assert (family, gear) == (DECODE, Gear(2, 2, 2))
+    first = packer.pack(batch, gear)
+    np.testing.assert_array_equal(first[c.SLOT_MAPPING], [4 * 16 + 2, 6 * 16 + 1])
+    np.testing.assert_array_equal(first[c.CU_SEQLENS_Q], [0, 1, 2])
+    again = packer.pack(ScheduledBatch(seqs[:1], [1]), gear)
+    assert all(again[k] is first[k] for k in first), "buffers must be created once per gear"
+    np.testing.assert_array_equal(again[c.BLOCK_TABLES], [[4, 0], [0, 0]])  # stale rows cleared
+    np.testing.assert_array_equal(again[c.CU_SEQLENS_Q], [0, 1, 1])
