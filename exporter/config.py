@@ -35,7 +35,7 @@ class BucketLadders(Settings):
 
 class ExportOptions(Settings):
     formats: list[Literal["onnx"]] = ["onnx"]
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=16, multiple_of=16, description="Ascend: a multiple of 16")
     max_model_len: int = Field(2048, ge=16)
     buckets: BucketLadders = BucketLadders()
     verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")

@@ -35,8 +35,9 @@ class GearReport:
     seconds: float
 
 
-def export(config: ExportConfig, out_dir: str | Path, log: TextIO = sys.stderr) -> Manifest:
+def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None) -> Manifest:
     """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind."""
+    log = log or sys.stderr
     out_dir = Path(out_dir)
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)

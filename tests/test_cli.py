@@ -1,0 +1,66 @@
+"""The console script as a user runs it: export errors, JSONL generation, one bad request among good ones."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedgraph.cli import main
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pagedgraph.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("yaml_text,expected", [
+    ("export:\n  block_size: sixteen\n", "export.block_size = 'sixteen'"),
+    ("export:\n  blocksize: 16\n", "export.blocksize"),
+    ("export:\n  block_size: 24\n", "export.block_size = 24: Input should be a multiple of 16"),
+    ("export:\n  buckets:\n    decode_batch: [4, 2]\n", "strictly ascending"),
+    ("model:\n  source: /nonexistent/model.gguf\n", "/nonexistent/model.gguf does not exist"),
+])
+def test_export_errors_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str], yaml_text: str,
+                                      expected: str) -> None:
+    config = tmp_path / "export.yaml"
+    config.write_text(yaml_text)
+    assert main(["export", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "out").exists(), "a failed export must not leave an artifact"
+
+
+def test_generate_jsonl_in_order_with_one_bad_request(smollm2_artifact: Path, tmp_path: Path) -> None:
+    requests = [
+        {"prompt": "The capital of France is", "max_tokens": 8},
+        {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6},
+        {"prompt_token_ids": [504] * 1100},  # longer than max_model_len (1024): fails alone
+        {"prompt_token_ids": [504, 3458, 282], "max_tokens": 3, "temperature": 0.8, "seed": 7},
+        {"prompt": "x", "temperature": -1},  # invalid sampling field
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in requests))
+    result = _cli("generate", "--artifact", str(smollm2_artifact), "--input", str(tmp_path / "in.jsonl"),
+                  "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "64", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(lines) == len(requests)
+    assert lines[0]["text"].strip().startswith("Paris") and lines[0]["finish_reason"] in ("stop", "length")
+    assert lines[0]["prompt_token_ids"][:2] and len(lines[0]["token_ids"]) <= 8
+    assert lines[1]["prompt_token_ids"][0] == 1  # <|im_start|>: the chat template was applied
+    assert "max_model_len" in lines[2]["error"] and lines[2]["finish_reason"] == "error"
+    assert len(lines[3]["token_ids"]) == 3
+    assert "temperature" in lines[4]["error"]
+
+
+def test_generate_single_prompt_prints_completion(smollm2_artifact: Path) -> None:
+    result = _cli("generate", "--artifact", str(smollm2_artifact), "--prompt", "The capital of France is",
+                  "--max-tokens", "4", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is Paris")
+
+
+def test_generate_refuses_a_non_artifact(tmp_path: Path) -> None:
+    result = _cli("generate", "--artifact", str(tmp_path), "--prompt", "hi")
+    assert result.returncode == 2
+    assert "not a pagedgraph artifact" in result.stderr and "pagedgraph export" in result.stderr
