@@ -1,0 +1,53 @@
+"""Reproducible request sets for benchmarks and tests, in the `pagedgraph generate --input` JSONL format."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+_WORDS = (
+    "account order refund policy customer shipping warehouse invoice payment delivery return label carrier "
+    "package tracking address support ticket agent priority escalation manager response time business day "
+    "holiday weekend exchange warranty repair replacement damaged missing item product service plan "
+    "subscription renewal cancellation fee discount coupon code loyalty points balance statement receipt "
+    "confirmation email phone chat message record note history status update request approval review "
+    "limit threshold amount currency region country store online partner supplier stock inventory backorder "
+    "estimate window schedule pickup dropoff signature verification identity security password reset"
+).split()
+_QUESTIONS = (
+    "How long does a refund take for order {n}?",
+    "Can I change the delivery address of package {n}?",
+    "What happens if item {n} arrives damaged?",
+    "Is there a fee to cancel subscription {n}?",
+    "How do I escalate ticket {n} to a manager?",
+    "When will backorder {n} ship?",
+    "Can coupon {n} be combined with loyalty points?",
+    "Why was payment {n} declined?",
+)
+
+
+def _policy_text(rng: random.Random, num_words: int) -> str:
+    """Sentences of 8-16 words drawn from a fixed vocabulary until `num_words` words are written."""
+    sentences, written = [], 0
+    while written < num_words:
+        length = min(rng.randint(8, 16), num_words - written)
+        words = [rng.choice(_WORDS) for _ in range(length)]
+        sentences.append(" ".join(words).capitalize() + ".")
+        written += length
+    return " ".join(sentences)
+
+
+def shared_prefix_workload(num_requests: int = 32, prefix_words: int = 860, max_tokens: int = 32,
+                           seed: int = 0) -> list[dict[str, Any]]:
+    """Chat requests that share one long system prompt and differ in their question (greedy).
+
+    With the default 860 words the system prompt renders to about 1,000 SmolLM2 tokens, so all
+    but the first request can take the shared blocks from the prefix cache. Each item is a
+    request of `pagedgraph generate --input` (messages plus sampling fields).
+    """
+    rng = random.Random(seed)
+    system = "You are the support assistant of an online store. Follow this policy.\n" + \
+        _policy_text(rng, prefix_words)
+    return [{"messages": [{"role": "system", "content": system},
+                          {"role": "user", "content": rng.choice(_QUESTIONS).format(n=rng.randint(1000, 9999))}],
+             "max_tokens": max_tokens, "temperature": 0.0}
+            for _ in range(num_requests)]
