@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from graphs.contract import DECODE, PREFILL, Gear
 from graphs.manifest import Manifest
@@ -64,13 +64,15 @@ class SamplingDefaults(Settings):
     top_p: float = 1.0
     top_k: int = 0
 
-    @model_validator(mode="after")
-    def _valid(self) -> "SamplingDefaults":
+    @field_validator("max_tokens", "temperature", "top_p", "top_k")
+    @classmethod
+    def _valid(cls, value: Any, info: ValidationInfo) -> Any:
+        """The request rules, so a default is valid exactly when the same value in a request would be."""
         try:
-            SamplingParams(**self.model_dump())
+            SamplingParams(**{info.field_name: value})
         except RequestError as exc:
-            raise ValueError(str(exc)) from None
-        return self
+            raise ValueError(str(exc).removeprefix(f"{info.field_name}: {value!r} ")) from None
+        return value
 
 
 class ServerSection(Settings):
@@ -104,7 +106,7 @@ def load_deployment(path: str | Path, overrides: dict[str, Any] | None = None) -
     deployment = load_yaml(Deployment, path, overrides)
     base = Path(path).resolve().parent
     model = deployment.model
-    paths = {key: str(base / Path(value).expanduser()) for key, value in
+    paths = {key: str((base / Path(value).expanduser()).resolve()) for key, value in
              (("artifact", model.artifact), ("export_config", model.export_config)) if value is not None}
     return deployment.model_copy(update={"model": model.model_copy(update=paths)})
 

@@ -52,7 +52,9 @@ async def _disconnected(request: Request) -> None:
 
 
 @dataclass
-class Server:
+class Frontend:
+    """The HTTP side of the engine loop: admission, limits, response shaping, counters."""
+
     loop: EngineLoop
     deployment: Deployment
     counters: metrics.ServerCounters = field(default_factory=metrics.ServerCounters)
@@ -63,6 +65,7 @@ class Server:
         self.max_model_len = self.loop.engine.max_model_len
         self.defaults = self.deployment.sampling.model_dump()
         self.limits = self.deployment.server
+        self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
 
     # -- admission ----------------------------------------------------------------------------
     def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -145,7 +148,9 @@ class Server:
         try:
             async for out in handle:
                 if out.error:
+                    self._finished(out)
                     yield sse(APIError(500, out.error, type_="server_error").body())
+                    out = None
                     break
                 chunk = tracker.chunk(out)
                 if chunk is not None:
@@ -201,15 +206,22 @@ class Server:
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """400 naming the field; the several errors of one union field (`prompt`, `stop`) become one message."""
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0]
-    loc = [str(p) for p in first["loc"][1:]]
-    if first["type"] == "json_invalid":
+    errors = exc.errors()
+    if errors[0]["type"] == "json_invalid":
         return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
-    param = ".".join(loc) or None
-    shown = "" if isinstance(first.get("input"), dict) else f" = {first.get('input')!r}"
-    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-    return JSONResponse(APIError(400, f"{param or 'body'}{shown}: {message}", param=param).body(), 400)
+    locs = [tuple(str(p) for p in e["loc"][1:]) for e in errors]
+    common = locs[0]
+    for loc in locs[1:]:
+        common = common[:next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))]
+    if not common:
+        common, errors = locs[0], errors[:1]
+    param = ".".join(common) or None
+    value = errors[0].get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    messages = dict.fromkeys("unknown field" if e["type"] == "extra_forbidden" else e["msg"] for e in errors)
+    return JSONResponse(APIError(400, f"{param or 'body'}{shown}: {'; or '.join(messages)}", param=param).body(), 400)
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -240,7 +252,7 @@ def _bearer(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread."""
-    server = Server(loop, deployment)
+    frontend = Frontend(loop, deployment)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -251,15 +263,15 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
             loop.stop()
 
     app = FastAPI(title="pagedgraph", lifespan=lifespan)
-    app.state.server = server
+    app.state.frontend = frontend
     for exc_type, handler in ((RequestValidationError, _validation_error), (StarletteHTTPException, _http_error),
                               (APIError, _api_error), (Exception, _server_error)):
         app.add_exception_handler(exc_type, handler)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(deployment.server.api_key))])
-    v1.add_api_route("/completions", server.completions, methods=["POST"])
-    v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
-    v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/completions", frontend.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", frontend.chat, methods=["POST"])
+    v1.add_api_route("/models", frontend.models, methods=["GET"])
     app.include_router(v1)
 
     @app.get("/health")
@@ -268,6 +280,6 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> PlainTextResponse:
-        return PlainTextResponse(await server.metrics_text(), media_type=metrics.CONTENT_TYPE)
+        return PlainTextResponse(await frontend.metrics_text(), media_type=metrics.CONTENT_TYPE)
 
     return app

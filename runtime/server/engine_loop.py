@@ -184,7 +184,10 @@ class EngineLoop:
             while command is not None:
                 if command is _STOP:
                     return
-                command()
+                try:
+                    command()
+                except Exception:  # an abort that failed must not stop the loop serving everyone else
+                    log.exception("engine command failed")
                 command = self._next_command()
             if engine.has_unfinished():
                 self._step()
@@ -202,8 +205,11 @@ class EngineLoop:
             log.exception("engine step failed; failing %d in-flight requests", len(self._live))
             error = f"engine step failed: {exc}"
             outputs = [RequestOutput(rid, [], [], "", "error", error=error) for rid in self._live]
-            for rid in list(self._live):
-                self._abort(rid)
+            for out in outputs:
+                try:
+                    self.engine.abort(out.request_id)
+                except Exception:
+                    log.exception("abort of %s failed", out.request_id)
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

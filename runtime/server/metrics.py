@@ -41,7 +41,7 @@ def render(snap: EngineSnapshot, counters: ServerCounters) -> str:
     ]
     for name, help_, value in gauges:
         _metric(lines, name, "gauge", help_, [("", value)])
-    counters_ = [
+    totals = [
         ("steps_total", "Engine steps (one bucket graph each).", snap.steps),
         ("generation_tokens_total", "Tokens sampled.", snap.generated),
         ("prompt_tokens_total", "Prompt tokens of accepted requests.", counters.prompt_tokens),
@@ -54,7 +54,7 @@ def render(snap: EngineSnapshot, counters: ServerCounters) -> str:
         ("preemptions_total", "Sequences preempted (recomputed later) for lack of KV blocks.", snap.preemptions),
         ("requests_rejected_total", "Requests refused with 429 (max_concurrent_requests).", counters.rejected),
     ]
-    for name, help_, value in counters_:
+    for name, help_, value in totals:
         _metric(lines, name, "counter", help_, [("", value)])
     _metric(lines, "step_seconds_total", "counter", "Time in engine steps: graph execution and host work.",
             [('{part="graph"}', snap.graph_s), ('{part="host"}', snap.host_s)])
