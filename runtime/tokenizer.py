@@ -27,6 +27,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -52,7 +53,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.source = source
         self._template = _compile_template(chat_template, source) if chat_template is not None else None
-        self._token_bytes: dict[bool, list[bytes] | None] = {}
+        self._byte_tables = self._build_byte_tables()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -107,46 +108,46 @@ class Tokenizer:
                 f"{self.source}: the model has no chat template (tokenizer_config.json chat_template is null); "
                 "send a plain prompt instead"
             )
-        plain = json.loads(json.dumps({"messages": messages, **kwargs}))
-        return self._template.render(
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_token_id),
-            eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-            **plain,
-        )
+        context = {
+            "bos_token": self._special_text(self.bos_token_id),
+            "eos_token": self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            # transformers always defines these, and templates test `tools is not none`
+            "tools": None,
+            "documents": None,
+            **json.loads(json.dumps({"messages": messages, **kwargs})),
+        }
+        return self._template.render(context, add_generation_prompt=add_generation_prompt)
 
     def detokenizer(self, *, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
         """A fresh streaming decoder for one request."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
-        """The bytes each token id decodes to, when the decoder is plain ByteLevel (else None).
+        """The bytes each token id decodes to when the decoder is plain ByteLevel, else None.
 
-        Built once per tokenizer and flag, it lets `IncrementalDetokenizer` stream with one list
-        lookup and one incremental UTF-8 decode per token. It follows tokenizers' ByteLevel decoder:
-        a token spelled entirely in the byte alphabet maps through it, any other token (an added
-        token such as "<｜end｜>") contributes its own UTF-8; unknown ids contribute nothing.
+        Built once at load, it lets `IncrementalDetokenizer` stream with one list lookup and one
+        incremental UTF-8 decode per token.
         """
-        if skip_special_tokens not in self._token_bytes:
-            self._token_bytes[skip_special_tokens] = self._build_byte_table(skip_special_tokens)
-        return self._token_bytes[skip_special_tokens]
+        return self._byte_tables[skip_special_tokens] if self._byte_tables else None
 
-    def _build_byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
-        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
-        if decoder.get("type") != "ByteLevel":
+    def _build_byte_tables(self) -> dict[bool, list[bytes]] | None:
+        """Per token id, what tokenizers' ByteLevel decoder turns it into: a token spelled entirely
+        in the byte alphabet maps through it, any other (an added token such as "<｜end｜>") is its
+        own UTF-8. The second table blanks special tokens, for `skip_special_tokens`."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
             return None
-        alphabet = _byte_level_alphabet()
+        to_bytes = str.maketrans({char: chr(byte) for char, byte in _BYTE_LEVEL_ALPHABET.items()})
         table = [b""] * self.vocab_size
         for token, token_id in self.backend.get_vocab(with_added_tokens=True).items():
-            if all(c in alphabet for c in token):
-                table[token_id] = bytes(alphabet[c] for c in token)
+            if all(c in _BYTE_LEVEL_ALPHABET for c in token):
+                table[token_id] = token.translate(to_bytes).encode("latin-1")
             else:
                 table[token_id] = token.encode("utf-8")
-        if skip_special_tokens:
-            for token_id, added in self.backend.get_added_tokens_decoder().items():
-                if added.special:
-                    table[token_id] = b""
-        return table
+        skipping = list(table)
+        for token_id, added in self.backend.get_added_tokens_decoder().items():
+            if added.special:
+                skipping[token_id] = b""
+        return {False: table, True: skipping}
 
     def _special_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -176,6 +177,7 @@ class IncrementalDetokenizer:
         """The text newly completed by `token_id` (often "", never a partial character)."""
         table = self._table
         if table is not None:
+            # ids past the vocabulary (a padded LM head) decode to nothing, as in tokenizers
             return self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
         return self._push_window(token_id)
 
@@ -237,3 +239,6 @@ def _byte_level_alphabet() -> dict[str, int]:
             alphabet[chr(256 + extra)] = b
             extra += 1
     return alphabet
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()

@@ -144,7 +144,7 @@ def greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> tu
         ids.append(int(top.indices[0]))
         gaps.append(round(float(top.values[0] - top.values[1]), 6))
         if step + 1 < new_tokens:
-            out = model(input_ids=top.indices[:1].view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=top.indices[:1].view(1, 1), cache=out.cache, use_cache=True)
     return ids, gaps
 
 

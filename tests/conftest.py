@@ -10,7 +10,7 @@ import pytest
 # Small ladders keep the export quick; every shape the reference prompts need is covered.
 TEST_EXPORT = {
     "export": {
-        "max_model_len": 1024,
+        "max_model_len": 1280,
         "buckets": {"decode_batch": [1, 4, 16], "prefill_tokens": [64, 256, 1024], "prefill_max_seqs": 16},
         "verify_gears": False,
     }

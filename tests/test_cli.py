@@ -35,7 +35,7 @@ def test_generate_jsonl_in_order_with_one_bad_request(smollm2_artifact: Path, tm
     requests = [
         {"prompt": "The capital of France is", "max_tokens": 8},
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6},
-        {"prompt_token_ids": [504] * 1100},  # longer than max_model_len (1024): fails alone
+        {"prompt_token_ids": [504] * 1300},  # longer than max_model_len (1280): fails alone
         {"prompt_token_ids": [504, 3458, 282], "max_tokens": 3, "temperature": 0.8, "seed": 7},
         {"prompt": "x", "temperature": -1},  # invalid sampling field
     ]

@@ -84,8 +84,9 @@ def test_paged_attention_mixed_prefill_chunks_and_decodes(heads: int, kv_heads: 
     rng = np.random.default_rng(heads * 10 + kv_heads)
     query, k_cache, v_cache, tables, ctx, cu, real = _mixed_batch(rng, heads, kv_heads)
     attrs = dict(head_num=heads, kv_head_num=kv_heads, qk_scale=0.3, block_size=16)
+    onnx_attrs = dict(attrs, head_dim=query.shape[1] // heads)
     (got,) = run_op("PagedAttention", {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
-                                       "context_lens": ctx, "cu_seqlens_q": cu}, ["out"], **attrs)
+                                       "context_lens": ctx, "cu_seqlens_q": cu}, ["out"], **onnx_attrs)
     want = ops.paged_attention(query, k_cache, v_cache, tables, ctx, cu, **attrs)
     assert got.shape == query.shape
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-5)
@@ -101,7 +102,7 @@ def test_paged_attention_decode_only_and_prefill_only() -> None:
         sub_q = query[cu[lo]:cu[hi]]
         inputs = {"query": sub_q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables[lo:hi],
                   "context_lens": ctx[lo:hi], "cu_seqlens_q": sub_cu}
-        (got,) = run_op("PagedAttention", inputs, ["out"], **attrs)
+        (got,) = run_op("PagedAttention", inputs, ["out"], head_dim=8, **attrs)
         want = ops.paged_attention(sub_q, k_cache, v_cache, tables[lo:hi], ctx[lo:hi], sub_cu, **attrs)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -113,6 +114,7 @@ def test_self_attention_packed_causal() -> None:
     key = rng.standard_normal((21, 2 * 8), dtype=np.float32)
     value = rng.standard_normal((21, 2 * 8), dtype=np.float32)
     attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.35)
-    (got,) = run_op("SelfAttention", {"query": query, "key": key, "value": value, "cu_seqlens_q": cu}, ["out"], **attrs)
+    (got,) = run_op("SelfAttention", {"query": query, "key": key, "value": value, "cu_seqlens_q": cu}, ["out"],
+                    head_dim=8, **attrs)
     want = ops.self_attention(query, key, value, cu, **attrs)
     np.testing.assert_allclose(got[:19], want[:19], rtol=1e-4, atol=1e-5)

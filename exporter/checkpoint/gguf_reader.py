@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from exporter.checkpoint.base import Checkpoint, CheckpointError
@@ -78,6 +78,7 @@ def read_gguf(path: str | Path) -> Checkpoint:
         )
     infos = {t.name: t for t in reader.tensors}
     config = _model_config(reader, metadata, infos, path)
+    tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
     expected = _expected_shapes(config)
     tensors: dict[str, np.ndarray] = {}
@@ -96,9 +97,8 @@ def read_gguf(path: str | Path) -> Checkpoint:
         tensors[hf_name] = weight
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise CheckpointError(f"{path}: tensors missing for {', '.join(missing[:5])}; the file is incomplete")
-
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer_spec(metadata, str(path)), source=str(path))
+        raise CheckpointError(f"{path}: missing tensors for {', '.join(missing[:5])}; the file is incomplete")
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path))
 
 
 def _open(path: Path) -> GGUFReader:
@@ -111,14 +111,14 @@ def _open(path: Path) -> GGUFReader:
         raise CheckpointError(f"{path} is not a file: pass the path of the .gguf file itself")
     try:
         return GGUFReader(path)
-    except (ValueError, IndexError, OSError) as err:
+    except (ValueError, IndexError, OSError) as err:  # bad magic, truncated data, unreadable
         raise CheckpointError(
-            f"{path} is not a readable GGUF file ({err}); re-download or re-convert it"
+            f"{path} is not a readable GGUF file: it is truncated or corrupt ({err}); re-download or re-convert it"
         ) from err
 
 
 def _model_config(
-    reader: GGUFReader, metadata: Mapping[str, Any], infos: Mapping[str, Any], path: Path
+    reader: GGUFReader, metadata: Mapping[str, Any], infos: Mapping[str, ReaderTensor], path: Path
 ) -> ModelConfig:
     arch = metadata["general.architecture"]
 
@@ -207,18 +207,15 @@ def _hf_name(name: str, path: Path) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _dequantize(info: Any, shape: tuple[int, ...], path: Path) -> np.ndarray:
+def _dequantize(info: ReaderTensor, shape: tuple[int, ...], path: Path) -> np.ndarray:
     try:
-        weight = dequantize(info.data, info.tensor_type)
+        # a plain ndarray view: slicing np.memmap objects costs more than the dequantizing itself
+        weight = dequantize(np.asarray(info.data), info.tensor_type)
     except NotImplementedError as err:
         raise CheckpointError(
-            f"{path}: tensor {info.name!r} uses {info.tensor_type.name}, which gguf {err}; "
-            "upgrade the gguf package or re-quantize the file"
+            f"{path}: tensor {info.name!r} is {info.tensor_type.name}, which this gguf package cannot dequantize "
+            f"({err}); upgrade gguf or re-quantize the file"
         ) from err
-    except ValueError as err:  # data shorter than the tensor info says: a truncated file
-        raise CheckpointError(f"{path}: tensor {info.name!r} cannot be read ({err}); the file is truncated or corrupt") from err
-    if weight.size != int(np.prod(shape)):
-        raise CheckpointError(f"{path}: tensor {info.name!r} holds {weight.size} values, expected {shape}; the file is truncated")
     if info.tensor_type == GGMLQuantizationType.F32:
         weight = weight.copy()  # a view into the memory-mapped file otherwise
     return weight.reshape(shape).astype(np.float32, copy=False)

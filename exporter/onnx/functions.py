@@ -62,8 +62,10 @@ class _Heads:
         self.n = n
         self.kv = n.unsqueeze(n.attr_const("kv_head_num", "int"), [0])
         self.heads = n.unsqueeze(n.attr_const("head_num", "int"), [0])
-        self.width = n.shape_dim("query", 1)
-        self.dim = n.op("Div", self.width, self.heads)
+        # From attributes only, so ONNX Runtime's CSE shares every shape computation across layers.
+        self.dim = n.unsqueeze(n.attr_const("head_dim", "int"), [0])
+        self.width = n.op("Mul", self.heads, self.dim)
+        self.kv_width = n.op("Mul", self.kv, self.dim)
         self.group = n.op("Div", self.heads, self.kv)
 
     def _kv_of_head(self) -> str:
@@ -91,21 +93,21 @@ def _shape(n: Nodes, *dims: str | int) -> str:
     return n.op("Concat", *parts, axis=0)
 
 
-def _gather_context(n: Nodes, pool: str, tables: str) -> str:
+def _gather_context(n: Nodes, h: "_Heads", pool: str, tables: str) -> tuple[str, str]:
     """[B, M] block ids -> [B, M*block_size, KV*D]: whole blocks gathered from a blocks view of the pool.
 
     One 12 KB copy per block instead of one per slot; the view is a Reshape that only feeds the
     Gather (never a graph output), so it aliases the pool rather than copying it.
     """
     block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
-    width = n.shape_dim(pool, 1)
-    blocks = n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, width)))
+    blocks = n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, h.kv_width)))
     context = n.op("Gather", blocks, tables, axis=0)
     length = n.op("Mul", n.shape_dim(tables, 1), block_size)
-    return n.op("Reshape", context, _shape(n, n.shape_dim(tables, 0), length, width))
+    return n.op("Reshape", context, _shape(n, n.shape_dim(tables, 0), length, h.kv_width)), length
 
 
-def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, values: str, first_visible: str) -> str:
+def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, values: str, length: str,
+                 first_visible: str) -> str:
     """Sequences with several queries, laid out as [B, S] (S = longest run) -> their packed rows.
 
     keys/values [B, L, KV*D]; query s of sequence b sees keys 0..first_visible[b] + s.
@@ -115,7 +117,6 @@ def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, value
     s_range = n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1))
     tokens = n.shape_dim("query", 0)
     rows = n.op("Min", n.op("Add", n.unsqueeze(starts, [1]), n.unsqueeze(s_range, [0])), n.op("Sub", tokens, n.const([1])))
-    length = n.shape_dim(keys, 1)
     query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, longest, h.kv, h.group, h.dim))
     query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])
     query = n.op("Reshape", query, _shape(n, seqs, h.kv, n.op("Mul", longest, h.group), h.dim))  # [B, KV, S*G, D]
@@ -146,7 +147,7 @@ def _softmax_attention(n: Nodes, query: str, keys: str, values: str, mask: str) 
     return n.op("MatMul", n.op("Softmax", scores, axis=-1), values)
 
 
-def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, context_lens: str) -> str:
+def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, length: str, context_lens: str) -> str:
     """Sequences with one query each (decode), reading the gathered [B, L, KV*D] rows as they are.
 
     Each query head is placed in its kv head's slice of an otherwise zero KV*D row, so scores and
@@ -155,9 +156,9 @@ def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, contex
     """
     seqs = n.shape_dim(rows, 0)
     query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, h.heads, 1, h.dim))
-    placed = n.op("Reshape", n.op("Mul", query, h.placement()), _shape(n, seqs, h.heads, n.op("Mul", h.kv, h.dim)))
+    placed = n.op("Reshape", n.op("Mul", query, h.placement()), _shape(n, seqs, h.heads, h.kv_width))
     scores = n.op("MatMul", placed, n.op("Transpose", keys, perm=[0, 2, 1]))  # [B, H, L]
-    key_pos = n.op("Range", n.const(0), n.op("Squeeze", n.shape_dim(keys, 1)), n.const(1))
+    key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
     visible = n.unsqueeze(n.op("Less", n.unsqueeze(key_pos, [0]), n.unsqueeze(context_lens, [1])), [1])
     scores = n.op("Where", visible, scores, n.const(NEG_INF, dtype="float32"))
     out = n.op("MatMul", n.op("Softmax", scores, axis=-1), values)  # [B, H, KV*D]
@@ -181,8 +182,10 @@ def _paged_attention(n: Nodes) -> list[str]:
     first = lambda x: n.op("Slice", x, zero, multi, zero)  # noqa: E731
     rest = lambda x: n.op("Slice", x, multi, real, zero)  # noqa: E731
     context_lens, tables = n.cast("context_lens"), n.cast("block_tables")
-    pooled = [(_gather_context(n, "k_cache", part(tables)), _gather_context(n, "v_cache", part(tables)))
-              for part in (first, rest)]
+    pooled = []
+    for part in (first, rest):
+        keys, length = _gather_context(n, h, "k_cache", part(tables))
+        pooled.append((keys, _gather_context(n, h, "v_cache", part(tables))[0], length))
     multi_out = _multi_query(n, h, first(starts), first(q_lens), *pooled[0],
                              n.op("Sub", first(context_lens), first(q_lens)))
     single_out = _single_query(n, h, rest(starts), *pooled[1], rest(context_lens))
@@ -200,12 +203,13 @@ def _self_attention(n: Nodes) -> list[str]:
     rows = n.op("Add", n.unsqueeze(starts, [1]), n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1)))
     rows = n.op("Min", rows, n.op("Sub", n.shape_dim("query", 0), n.const([1])))
     out = _multi_query(n, h, starts, q_lens, n.op("Gather", "key", rows, axis=0), n.op("Gather", "value", rows, axis=0),
-                       n.op("Mul", q_lens, n.const(0)))
+                       longest, n.op("Mul", q_lens, n.const(0)))
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
 
 
-_ATTENTION_ATTRS = ["head_num", "kv_head_num", "qk_scale"]
+# ATB's headNum, kvHeadNum, qkScale, plus head_dim so every shape in the body is a constant.
+_ATTENTION_ATTRS = ["head_num", "kv_head_num", "head_dim", "qk_scale"]
 FUNCTIONS: dict[str, Callable[[], FunctionProto]] = {
     "ReshapeAndCache": lambda: _function(
         "ReshapeAndCache", ["key", "value", "k_cache", "v_cache", "slot_mapping"], ["k_cache_out", "v_cache_out"], [],

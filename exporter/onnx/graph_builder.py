@@ -90,12 +90,14 @@ class OnnxBuilder(OpBuilder[str]):
         if cu_seqlens_q is None:
             raise ValueError("the ONNX PagedAttention always takes cu_seqlens_q (decode passes one query per sequence)")
         return self._fused("PagedAttention", query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
-                           head_num=head_num, kv_head_num=kv_head_num, qk_scale=float(qk_scale), block_size=block_size)
+                           head_num=head_num, kv_head_num=kv_head_num, head_dim=self.config.head_dim,
+                           qk_scale=float(qk_scale), block_size=block_size)
 
     def self_attention(self, query: str, key: str, value: str, cu_seqlens_q: str, *, head_num: int,
                        kv_head_num: int, qk_scale: float) -> str:
         return self._fused("SelfAttention", query, key, value, cu_seqlens_q,
-                           head_num=head_num, kv_head_num=kv_head_num, qk_scale=float(qk_scale))
+                           head_num=head_num, kv_head_num=kv_head_num, head_dim=self.config.head_dim,
+                           qk_scale=float(qk_scale))
 
     def model(self, name: str) -> onnx.ModelProto:
         for value, output_name in self._output_names.items():
