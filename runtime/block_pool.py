@@ -11,6 +11,7 @@ So free + cached + used == num_blocks - 1, and no block is both queued and refer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 from graphs.contract import NULL_BLOCK
 
@@ -61,7 +62,7 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __iter__(self):  # head to tail
+    def __iter__(self) -> Iterator[KVBlock]:  # head to tail
         node = self._head.next
         while node is not self._tail:
             assert node is not None

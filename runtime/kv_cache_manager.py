@@ -53,13 +53,15 @@ class KVCacheManager:
         return start % self.block_size != 0 and index < len(seq.block_table) \
             and self.pool.blocks[seq.block_table[index]].ref_cnt > 1
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[KVBlock] = ()) -> CopyPairs | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed: list[KVBlock] | None = None) -> CopyPairs | None:
         """Make room for `num_new_tokens` after the computed ones (and the `computed` prefix hits).
 
         Returns the block copies (src, dst) that must run before this step's graph (copy-on-write),
         or None, with nothing changed, when the pool is short.
         """
         bs = self.block_size
+        computed = computed or []
         admission = not seq.block_table
         start = seq.num_computed_tokens + len(computed) * bs
         total = start + num_new_tokens
