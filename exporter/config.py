@@ -34,7 +34,10 @@ class BucketLadders(Settings):
 
 
 class ExportOptions(Settings):
-    formats: list[Literal["onnx"]] = ["onnx"]
+    formats: list[Literal["onnx", "mindir"]] = Field(
+        ["onnx"], min_length=1, description="graph formats to write: onnx (ONNX Runtime, ATC) and/or mindir (MindSpore)")
+    target: Literal["cpu", "ascend"] = Field(
+        "cpu", description="MINDIR target: cpu (pagedgraph's C++ kernels, runs here) or ascend (ATB primitives, float16)")
     block_size: int = Field(16, ge=16, multiple_of=16, description="Ascend: a multiple of 16")
     max_model_len: int = Field(2048, ge=16)
     buckets: BucketLadders = BucketLadders()

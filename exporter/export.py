@@ -23,6 +23,8 @@ from graphs import contract as c
 from graphs import llama
 from graphs.contract import Gear
 from graphs.manifest import MANIFEST, Family, Manifest, file_sha256
+from graphs.mindir import INDEX as MINDIR_INDEX
+from graphs.mindir import WEIGHTS as MINDIR_WEIGHTS
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -50,16 +52,22 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None)
     try:
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
-        _write_onnx(checkpoint, options.max_model_len, options.block_size, staging)
+        if "onnx" in options.formats:
+            _write_onnx(checkpoint, options.max_model_len, options.block_size, staging)
+        if "mindir" in options.formats:
+            from exporter.mindspore.export import write_mindir
+
+            write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         manifest = Manifest(
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
-            families={name: Family(GRAPH, family_gears) for name, family_gears in gears.items()},
+            families={name: Family(GRAPH if "onnx" in options.formats else MINDIR_INDEX, family_gears)
+                      for name, family_gears in gears.items()},
             files=files, export_config=config.model_dump(mode="json"))
         (staging / MANIFEST).write_text(manifest.to_json())
-        reports = _verify_gears(staging, manifest, log) if options.verify_gears else []
+        reports = _verify_gears(staging, manifest, log) if options.verify_gears and "onnx" in options.formats else []
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -117,7 +125,7 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
         verify = sum(r.seconds for r in reports if r.family == family)
         print(f"{family:8} {len(g):5}  {_span(x.tokens for x in g):>11} {_span(x.seqs for x in g):>9} "
               f"{_span(x.blocks for x in g):>9}  {size[spec.graph] / 1e6:7.2f}MB  {verify:7.2f}s", file=log)
-    print(f"weights {size[WEIGHTS] / 1e6:.1f} MB stored once; "
+    print(f"weights {(size.get(WEIGHTS) or size[MINDIR_WEIGHTS]) / 1e6:.1f} MB stored once; "
           f"artifact {out} written in {seconds:.1f}s", file=log)
 
 

@@ -1,4 +1,4 @@
-"""`pagedgraph export | generate | serve`: the only module that imports both the exporter and the runtime."""
+"""`pagedgraph export | generate | serve | atc-plan`: the only module that imports both the exporter and the runtime."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,9 @@ def _export(args: argparse.Namespace) -> int:
     from exporter.export import export
     from graphs.settings import load_yaml
 
-    config = load_yaml(ExportConfig, args.config, {"model.source": args.model})
+    formats = args.formats.split(",") if args.formats else None
+    config = load_yaml(ExportConfig, args.config, {"model.source": args.model, "export.formats": formats,
+                                                   "export.target": args.target})
     export(config, args.out)
     return 0
 
@@ -50,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
     llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
-              enable_prefix_caching=not args.no_prefix_caching)
+              enable_prefix_caching=not args.no_prefix_caching, executor=args.executor)
     prompts, params = [], []
     prompt_keys = ("prompt", "prompt_token_ids", "messages")
     rejected: dict[int, str] = {}
@@ -106,6 +108,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _atc_plan(args: argparse.Namespace) -> int:
+    from exporter.atc import atc_commands
+
+    for family, command in atc_commands(Path(args.artifact), args.num_blocks, args.soc_version).items():
+        print(f"# {family}\n{command}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="export YAML (see configs/smollm2.yaml)")
     p.add_argument("--out", required=True, help="artifact directory to write")
     p.add_argument("--model", help="override model.source: a .gguf file or an HF directory")
+    p.add_argument("--format", dest="formats", help="override export.formats: onnx, mindir or onnx,mindir")
+    p.add_argument("--target", choices=["cpu", "ascend"], help="override export.target (the MINDIR target)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("generate", help="generate from an artifact with the paged, packed runtime")
@@ -129,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--no-prefix-caching", action="store_true", dest="no_prefix_caching",
                    help="never reuse cached KV blocks across requests")
+    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
+                   help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("atc-plan", help="print the ATC commands that compile the artifact's ONNX graph for Ascend")
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--num-blocks", type=int, dest="num_blocks", default=1024,
+                   help="KV pool blocks the OM models are built for (the pools' static size)")
+    p.add_argument("--soc-version", dest="soc_version", default="Ascend910B1", help="ATC --soc_version")
+    p.set_defaults(func=_atc_plan)
 
     p = sub.add_parser("serve", help="serve an artifact with an OpenAI-compatible HTTP API")
     p.add_argument("--config", required=True, help="deployment YAML (see configs/deploy-smollm2.yaml)")

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 from graphs.contract import Gear
 from graphs.manifest import Manifest
 from runtime.block_pool import CacheStats
-from runtime.executor_ort import OrtExecutor
+from runtime.executors import make_executor
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.packer import Packer
 from runtime.sampler import sample, top_logprobs
@@ -34,6 +34,7 @@ class EngineConfig:
     gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
     enable_prefix_caching: bool = True
     prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
+    executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
-        self.executor = OrtExecutor(self.artifact, self.manifest, num_blocks, config.threads)
+        self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads)
         self.stats = EngineStats(cache=self.kv.stats)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks

@@ -1,0 +1,85 @@
+"""Read an exported MINDIR back (mindspore/train/mind_ir_pb2): which primitives, with which attributes.
+
+MindSpore stores a primitive's constructor arguments (PagedAttention's head_num, scale_value,
+kv_head_num) as constant inputs after its tensor inputs, not as attributes; they are named here
+from the primitive's own signature, so a record reads like the call that built it.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+_PLUMBING = {"Load", "UpdateState", "Depend", "MakeTuple", "TupleGetItem"}  # ordering and tuples, not ops
+_EFFECT_TOKENS = {"<UpdateState>", "<UMONAD>", "<IOMONAD>"}  # side-effect ordering inputs, not data
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    op_type: str
+    attributes: dict[str, Any]  # primitive attributes (side_effect_mem, Custom's atb_op, ...)
+    arguments: dict[str, Any]  # input name -> constant, graph input/parameter read, or `<Op>` computing it
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> shape, for graph inputs
+
+
+def _value(attribute: Any) -> Any:
+    kind = type(attribute).AttributeType.Name(attribute.type)
+    return {"INT64": attribute.i, "INT32": attribute.i, "FLOAT": attribute.f, "BOOL": bool(attribute.i),
+            "STRING": attribute.s.decode(), "NONE": None}.get(kind, f"<{kind}>")
+
+
+def _input_names(op_type: str, count: int) -> list[str]:
+    """Call arguments then constructor arguments, as MindSpore orders a primitive's inputs."""
+    from mindspore.ops import auto_generate as prims
+
+    primitive = getattr(prims, op_type, None)
+    names: list[str] = []
+    if primitive is not None:
+        for method in (primitive.__call__, primitive.__init__):
+            names += [p for p in inspect.signature(method).parameters if p != "self"]
+    return (names + [f"input{i}" for i in range(len(names), count)])[:count]
+
+
+def read_ops(path: Path, op_types: set[str] | None = None) -> list[OpRecord]:
+    """Every primitive node (of `op_types`, if given) in graph order."""
+    from mindspore.train.mind_ir_pb2 import ModelProto
+
+    model = ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    graph = model.graph
+    short = lambda name: name.split(":")[-1]  # noqa: E731 - graph-qualified names -> plain
+    constants = {n.output[0]: _value(n.attribute[0]) for n in graph.node if n.op_type == "Constant"}
+    shapes = {short(i.name): tuple(i.tensor[0].dims) for i in graph.input}
+    shapes.update({short(p.name): tuple(p.dims) for p in graph.parameter})
+    attributes = {p.name: {a.name: _value(a) for a in p.attribute} for p in model.primitives}
+    producers = {out: node for node in graph.node for out in node.output}
+
+    def source_of(name: str) -> str:
+        """A graph input or parameter by name, seen through Depend/Load (effect ordering); else `<ProducingOp>`."""
+        node = producers.get(name)
+        if node is None or not node.op_type.startswith("REF::"):
+            return short(name)
+        op_type = node.op_type[len("REF::"):].split(":")[0]
+        return source_of(node.input[0]) if op_type in ("Depend", "Load") else f"<{op_type}>"
+
+    records = []
+    for node in graph.node:
+        if not node.op_type.startswith("REF::"):
+            continue
+        primitive = node.op_type[len("REF::"):]
+        op_type = primitive.split(":")[0]
+        if op_type in _PLUMBING or (op_types is not None and op_type not in op_types):
+            continue
+        arguments: dict[str, Any] = {}
+        input_shapes = {}
+        for name, source in zip(_input_names(op_type, len(node.input)), node.input):
+            value = constants[source] if source in constants else source_of(source)
+            if value in _EFFECT_TOKENS:
+                continue
+            arguments[name] = value
+            if value in shapes:
+                input_shapes[name] = shapes[value]
+        records.append(OpRecord(op_type, attributes.get(primitive, {}), arguments, input_shapes))
+    return records

@@ -1,0 +1,78 @@
+"""The kernels' C API called from numpy (ctypes), with the signatures of the graphs/ops references."""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import numpy as np
+
+from graphs.kernels.build import library_path
+
+
+class KernelError(RuntimeError):
+    """A kernel rejected its inputs (bad slot, block id, lengths); the message names the culprit."""
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("head_num", ctypes.c_int64), ("kv_head_num", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("qk_scale", ctypes.c_float)]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library_path()))
+    lib.pg_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _ptr(array: np.ndarray, dtype: type) -> ctypes.c_void_p:
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise TypeError(f"kernel arguments must be C-contiguous {np.dtype(dtype).name} arrays, got {array.dtype}")
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise KernelError(_library().pg_last_error().decode())
+
+
+def _dims(query: np.ndarray, head_num: int, kv_head_num: int, qk_scale: float) -> _Dims:
+    return _Dims(head_num, kv_head_num, query.shape[1] // head_num, qk_scale)
+
+
+def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      slot_mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    f = np.float32
+    _check(_library().pg_reshape_and_cache(
+        _ptr(key, f), _ptr(value, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(slot_mapping, np.int64),
+        ctypes.c_int64(key.shape[0]), ctypes.c_int64(key.shape[1]), ctypes.c_int64(k_cache.shape[0])))
+    return k_cache, v_cache
+
+
+def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                    context_lens: np.ndarray, cu_seqlens_q: np.ndarray, *, head_num: int, kv_head_num: int,
+                    qk_scale: float, block_size: int) -> np.ndarray:
+    f, i32 = np.float32, np.int32
+    out = np.empty_like(query)
+    _check(_library().pg_paged_attention(
+        _ptr(query, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(block_tables, i32), _ptr(context_lens, i32),
+        _ptr(cu_seqlens_q, i32), _ptr(out, f), ctypes.c_int64(query.shape[0]), ctypes.c_int64(block_tables.shape[0]),
+        ctypes.c_int64(block_tables.shape[1]), ctypes.c_int64(k_cache.shape[0]),
+        _dims(query, head_num, kv_head_num, qk_scale), ctypes.c_int64(block_size)))
+    return out
+
+
+def self_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seqlens_q: np.ndarray, *,
+                   head_num: int, kv_head_num: int, qk_scale: float) -> np.ndarray:
+    f = np.float32
+    out = np.empty_like(query)
+    _check(_library().pg_self_attention(
+        _ptr(query, f), _ptr(key, f), _ptr(value, f), _ptr(cu_seqlens_q, np.int32), _ptr(out, f),
+        ctypes.c_int64(query.shape[0]), ctypes.c_int64(len(cu_seqlens_q) - 1),
+        _dims(query, head_num, kv_head_num, qk_scale)))
+    return out
+
+
+def set_threads(count: int) -> None:
+    """Threads of every later kernel call in this process, MindSpore's calls included (same library)."""
+    _library().pg_set_threads(ctypes.c_int(count))

@@ -1,0 +1,30 @@
+// C API of the pagedgraph kernels: plain C types, so ctypes (tests) and the MindSpore AOT
+// wrappers call the same functions. Each returns 0, or non-zero with pg_last_error() set.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+struct pg_attention_dims {
+  int64_t head_num;
+  int64_t kv_head_num;
+  int64_t head_dim;
+  float qk_scale;
+};
+
+const char *pg_last_error();
+
+// Threads of every later kernel call in this process; 0 restores OpenMP's default.
+void pg_set_threads(int count);
+
+int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
+                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots);
+
+int pg_paged_attention(const float *query, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                       const int32_t *context_lens, const int32_t *cu_seqlens_q, float *out, int64_t tokens,
+                       int64_t batch, int64_t max_blocks, int64_t num_slots, pg_attention_dims dims,
+                       int64_t block_size);
+
+int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,
+                      float *out, int64_t tokens, int64_t batch, pg_attention_dims dims);
+}

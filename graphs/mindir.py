@@ -1,0 +1,97 @@
+"""The MINDIR part of an artifact: one static graph per gear plus one shared weights file, described
+by graphs/mindir/index.json (written by exporter/mindspore, read by runtime/executor_mindspore).
+
+MindSpore graphs are static, so the pools' leading dimension is exported at a nominal size and
+bound to the runtime's pool size when a graph is loaded. The weights file uses MindSpore's
+external-data layout (a 64-byte header whose first byte says little-endian, then 64-byte aligned
+tensors): Ascend graphs point their Parameters into it; CPU graphs take the weights as inputs,
+fed from one in-memory copy shared by every gear.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphs.contract import Gear
+from graphs.manifest import ArtifactError
+
+DIRECTORY = "graphs/mindir"
+INDEX = f"{DIRECTORY}/index.json"
+WEIGHTS = f"{DIRECTORY}/weights.data"
+HEADER_BYTES = 64
+ALIGN = 64
+TARGETS = ("cpu", "ascend")
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    offset: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MindirIndex:
+    target: str
+    dtype: str
+    inputs: tuple[str, ...]  # graph arguments in call order: contract inputs and pools (cpu: then `weights`)
+    weights: dict[str, WeightEntry]  # in WEIGHTS; cpu graphs take them as trailing inputs in this order
+    pool_shape: tuple[int, ...]  # one pool as exported; dimension 0 (slots or blocks) is bound at load
+    graphs: dict[str, dict[str, str]]  # family -> gear_key(gear) -> graph file, relative to the artifact
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, artifact: Path) -> "MindirIndex":
+        path = Path(artifact) / INDEX
+        if not path.is_file():
+            raise ArtifactError(f"{artifact} has no MINDIR graphs ({INDEX} missing); re-export it with "
+                                f"`pagedgraph export --config <export.yaml> --format onnx,mindir --target cpu`")
+        data = json.loads(path.read_text())
+        return cls(target=data["target"], dtype=data["dtype"], inputs=tuple(data["inputs"]),
+                   weights={k: WeightEntry(v["offset"], tuple(v["shape"])) for k, v in data["weights"].items()},
+                   pool_shape=tuple(data["pool_shape"]), graphs=data["graphs"])
+
+    def graph(self, family: str, gear: Gear) -> str:
+        try:
+            return self.graphs[family][gear_key(gear)]
+        except KeyError:
+            raise ArtifactError(f"no MINDIR graph for {family} gear {gear_key(gear)}; the artifact's MINDIR gears "
+                                f"are {sorted(self.graphs.get(family, {}))}") from None
+
+    def read_weights(self, artifact: Path) -> dict[str, np.ndarray]:
+        """Every weight as a read-only view of one memory map of the weights file."""
+        data = np.memmap(Path(artifact) / WEIGHTS, dtype=np.uint8, mode="r")
+        dtype = np.dtype(self.dtype)
+        return {name: np.ndarray(e.shape, dtype, data, e.offset) for name, e in self.weights.items()}
+
+
+def gear_key(gear: Gear) -> str:
+    return f"T{gear.tokens}_B{gear.seqs}_M{gear.blocks}"
+
+
+def write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, WeightEntry]:
+    """Write `weights` in MindSpore's external-data layout; returns where each one lies."""
+    entries = {}
+    with open(path, "wb") as f:
+        f.write((1).to_bytes(1, "little") + bytes(HEADER_BYTES - 1))
+        for name, array in weights.items():
+            entries[name] = WeightEntry(f.tell(), tuple(array.shape))
+            f.write(np.ascontiguousarray(array).tobytes())
+            f.write(bytes(-f.tell() % ALIGN))
+    return entries
+
+
+def import_mindspore(purpose: str) -> Any:
+    """MindSpore in GRAPH_MODE on the host CPU, or an error saying how to install it (an optional extra)."""
+    try:
+        import mindspore
+    except ImportError as exc:
+        raise RuntimeError(f"{purpose} needs MindSpore ({exc}); install it with `pip install -e .[mindspore]` "
+                           f"(MindSpore 2.10 needs numpy<2)") from None
+    mindspore.set_context(mode=mindspore.GRAPH_MODE, device_target="CPU")
+    return mindspore

@@ -1,0 +1,238 @@
+"""The MindSpore lowering on a tiny random Llama: CPU MINDIR graphs vs the numpy references and vs
+ONNX Runtime, the generated Ascend graphs read back, SelfAttention on both targets."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.mindspore_support import RecordingExecutor, export_artifact, require_mindspore
+
+require_mindspore()
+
+from exporter.checkpoint import read_checkpoint  # noqa: E402
+from exporter.mindspore.builder import MindSporeBuilder, load_cell_class  # noqa: E402
+from exporter.mindspore.readback import read_ops  # noqa: E402
+from graphs import contract as c  # noqa: E402
+from graphs import llama, ops  # noqa: E402
+from graphs.contract import Gear  # noqa: E402
+from graphs.manifest import ArtifactError, Manifest  # noqa: E402
+from graphs.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
+from graphs.reference import NumpyBuilder  # noqa: E402
+from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+from tests.random_checkpoint import write_random_llama  # noqa: E402
+
+BLOCK = 16
+MAX_LEN = 64
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_llama(tmp_path_factory.mktemp("random_llama"))
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONNX and CPU MINDIR side by side: prefill gear (16, 2, 4), decode gear (2, 2, 4)."""
+    return export_artifact(str(checkpoint), tmp_path_factory.mktemp("tiny") / "art", ["onnx", "mindir"],
+                           decode=[2], prefill=[16], max_seqs=2, max_model_len=MAX_LEN)
+
+
+_BUFFERS: dict[Gear, dict[str, np.ndarray]] = {}
+
+
+def _step(gear: Gear, seqs: list[tuple[list[int], int, list[int]]]) -> dict[str, np.ndarray]:
+    """Contract inputs for (new tokens, first position, block ids) per sequence; padding -> null block.
+
+    Like the packer, one set of buffers per gear, refilled in place: executors bind them once.
+    """
+    feed = _BUFFERS.setdefault(gear, {n: np.zeros(s, c.INPUT_DTYPES[n]) for n, s in gear.input_shapes().items()})
+    for array in feed.values():
+        array.fill(0)
+    row = 0
+    for b, (tokens, start, blocks) in enumerate(seqs):
+        pos = np.arange(start, start + len(tokens))
+        feed[c.INPUT_IDS][row:row + len(tokens)] = tokens
+        feed[c.POSITIONS][row:row + len(tokens)] = pos
+        feed[c.SLOT_MAPPING][row:row + len(tokens)] = np.array(blocks)[pos // BLOCK] * BLOCK + pos % BLOCK
+        feed[c.BLOCK_TABLES][b, :len(blocks)] = blocks
+        feed[c.CONTEXT_LENS][b] = start + len(tokens)
+        feed[c.CU_SEQLENS_Q][b] = row
+        row += len(tokens)
+        feed[c.LOGITS_INDICES][b] = row - 1
+    feed[c.CU_SEQLENS_Q][len(seqs):] = row
+    return feed
+
+
+def test_cpu_graphs_match_numpy_references_step_by_step(artifact: Path, checkpoint: Path) -> None:
+    """Prefill, then a chunk after cached tokens beside a decode, then pure decode: logits and pools."""
+    manifest = Manifest.load(artifact)
+    model = manifest.model
+    weights = llama.graph_weights(model, read_checkpoint(str(checkpoint)).tensors, MAX_LEN)
+    executor = MindSporeExecutor(artifact, manifest, num_blocks=6)
+    reference_pools = {name: np.zeros_like(pool) for name, pool in executor.pools.items()}
+    steps = [
+        (Gear(16, 2, 4), [([5, 9, 14, 3, 7], 0, [1]), ([11, 12, 13], 0, [3, 5])]),
+        (Gear(16, 2, 4), [([8], 5, [1]), ([20, 21, 22, 23], 3, [3, 5])]),
+        (Gear(2, 2, 4), [([30], 6, [1]), ([31], 7, [3, 5])]),
+    ]
+    for gear, seqs in steps:
+        feed = _step(gear, seqs)
+        expected = NumpyBuilder({**feed, **reference_pools}, weights)
+        llama.build(expected, model, manifest.block_size)
+        logits = executor.run(gear, feed)
+        np.testing.assert_allclose(logits, expected.outputs[c.LOGITS], atol=ATOL, rtol=0)
+        for name, pool in executor.pools.items():
+            np.testing.assert_allclose(pool, reference_pools[name], atol=1e-5, rtol=0, err_msg=name)
+    assert executor.pools["k_cache_1"][3 * BLOCK + 6].any(), "the chunk's last key must be in block 3"
+
+
+def test_executor_binds_pools_of_any_size_and_copies_blocks(artifact: Path) -> None:
+    manifest = Manifest.load(artifact)
+    executor = MindSporeExecutor(artifact, manifest, num_blocks=40)
+    gear = Gear(2, 2, 4)
+    executor.run(gear, _step(gear, [([4], 0, [37]), ([6], 0, [2])]))
+    written = executor.pools["v_cache_0"][37 * BLOCK].copy()
+    assert written.any()
+    executor.copy_blocks([(37, 39)], BLOCK)
+    np.testing.assert_array_equal(executor.pools["v_cache_0"][39 * BLOCK], written)
+
+
+def _engine_run(artifact: Path, executor: str, prompts: list[list[int]]) -> tuple[RecordingExecutor, list[list[int]]]:
+    engine = LLMEngine(artifact, EngineConfig(num_blocks=24, executor=executor))
+    recorder = engine.executor = RecordingExecutor(engine.executor)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outputs = [o.token_ids for o in _generate(engine, prompts, params)]
+    return recorder, outputs
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def test_engine_with_mindspore_executor_equals_onnxruntime(artifact: Path) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (3, 12, 25, 7)]  # 25 > T=16: chunked prefill
+    ort, ort_tokens = _engine_run(artifact, "onnxruntime", prompts)
+    ms, ms_tokens = _engine_run(artifact, "mindspore", prompts)
+    assert [g for g, _ in ms.steps] == [g for g, _ in ort.steps]
+    assert {g for g, _ in ms.steps} == {Gear(16, 2, 4), Gear(2, 2, 4)}
+    worst = max(float(np.abs(a - b).max()) for (_, a), (_, b) in zip(ms.steps, ort.steps))
+    assert worst <= ATOL, f"MindSpore vs ONNX Runtime logits differ by {worst:.2e}"
+    assert ms_tokens == ort_tokens
+
+
+def test_executor_refuses_an_artifact_without_cpu_mindir(checkpoint: Path, tmp_path: Path) -> None:
+    art = export_artifact(str(checkpoint), tmp_path / "onnx_only", ["onnx"], decode=[2], prefill=[16], max_seqs=2,
+                          max_model_len=MAX_LEN)
+    with pytest.raises(ArtifactError, match="--format onnx,mindir --target cpu"):
+        LLMEngine(art, EngineConfig(num_blocks=8, executor="mindspore"))
+
+
+@pytest.fixture(scope="module")
+def ascend_artifact(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_artifact(str(checkpoint), tmp_path_factory.mktemp("ascend") / "art", ["mindir"], decode=[2],
+                           prefill=[16], max_seqs=2, max_model_len=MAX_LEN, target="ascend")
+
+
+FUSED = {"ReshapeAndCache", "PagedAttention", "RmsNorm", "RotaryPositionEmbedding", "Swiglu", "MatMul"}
+
+
+def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifact: Path, checkpoint: Path) -> None:
+    index = MindirIndex.load(ascend_artifact)
+    model = Manifest.load(ascend_artifact).model
+    assert index.target == "ascend" and index.dtype == "float16"
+    for family, graphs in index.graphs.items():
+        records = read_ops(ascend_artifact / next(iter(graphs.values())), FUSED)
+        print(f"\n{family}:")
+        for op_type in sorted(FUSED):
+            found = [r for r in records if r.op_type == op_type]
+            print(f"  {op_type} x{len(found)}: {found[0].attributes or ''} {found[0].arguments}")
+        kinds = {r.op_type: [x for x in records if x.op_type == r.op_type] for r in records}
+        assert set(kinds) == FUSED
+        assert len(kinds["ReshapeAndCache"]) == len(kinds["PagedAttention"]) == model.num_layers
+        assert len(kinds["RmsNorm"]) == 2 * model.num_layers + 1
+        write = kinds["ReshapeAndCache"][0]
+        assert write.attributes["side_effect_mem"] is True
+        assert write.arguments["key_cache"] == "k_cache_0" and write.arguments["value_cache"] == "v_cache_0"
+        assert write.shapes["key_cache"] == (5, BLOCK, model.num_kv_heads, model.head_dim)  # ATB's layout
+        attention = kinds["PagedAttention"][0].arguments
+        assert (attention["head_num"], attention["kv_head_num"]) == (model.num_heads, model.num_kv_heads)
+        assert attention["scale_value"] == pytest.approx(model.head_dim ** -0.5)
+        assert attention["block_tables"] == c.BLOCK_TABLES and attention["context_lens"] == c.CONTEXT_LENS
+        assert (attention["query"], attention["key_cache"], attention["value_cache"]) == ("<Reshape>", "k_cache_0",
+                                                                                          "v_cache_0")
+        multi_query = family == c.PREFILL  # only prefill passes per-sequence query lengths and a causal mask
+        assert (attention["q_seq_lens"] == "<Sub>") == multi_query and (attention["q_seq_lens"] is None) != multi_query
+        assert (attention["attn_mask"] is None) != multi_query
+        assert kinds["RmsNorm"][0].arguments["epsilon"] == pytest.approx(1e-5)
+        assert kinds["RotaryPositionEmbedding"][0].arguments["mode"] == 0  # rotate-half
+        assert all(r.arguments["transpose_b"] for r in kinds["MatMul"])  # ATB's [out, in] weights
+        assert kinds["MatMul"][0].arguments["mat2"] == "layers.0.qkv"  # a Parameter, not a graph input
+
+
+def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkpoint: Path) -> None:
+    from mindspore.train.mind_ir_pb2 import ModelProto
+
+    index = MindirIndex.load(ascend_artifact)
+    data = (ascend_artifact / WEIGHTS).read_bytes()
+    weights = llama.graph_weights(read_checkpoint(str(checkpoint)).config, read_checkpoint(str(checkpoint)).tensors,
+                                  MAX_LEN)
+    sizes = [p.stat().st_size for p in (ascend_artifact / INDEX).parent.glob("*.mindir")]
+    assert len(sizes) == 2 and max(sizes) < len(data) / 2, "graphs must not carry their own weight copies"
+    for graphs in index.graphs.values():
+        model = ModelProto()
+        model.ParseFromString((ascend_artifact / next(iter(graphs.values()))).read_bytes())
+        assert {p.name.split(":")[-1] for p in model.graph.parameter} == set(index.weights)
+        for p in model.graph.parameter:
+            name, ext = p.name.split(":")[-1], p.external_data
+            assert not p.raw_data and ext.location == "weights.data"
+            stored = np.frombuffer(data[ext.offset:ext.offset + ext.length], np.float16).reshape(p.dims)
+            np.testing.assert_array_equal(stored, weights[name].astype(np.float16))
+
+
+def _self_attention_cell(op_set: Any, attrs: dict[str, Any]) -> tuple[Any, MindSporeBuilder]:
+    builder = MindSporeBuilder(op_set, weights_as_inputs=True)
+    out = builder.self_attention(builder.input("query"), builder.input("key"), builder.input("value"),
+                                 builder.input(c.CU_SEQLENS_Q), **attrs)
+    builder.output(c.LOGITS, out)
+    return load_cell_class(builder.source(), Path(tempfile.mkdtemp()) / "sa.py")(op_set), builder
+
+
+def test_self_attention_runs_on_cpu_and_lowers_to_flash_attention_tnd(tmp_path: Path) -> None:
+    import mindspore as ms
+
+    from exporter.mindspore.ascend_ops import AscendOps
+    from exporter.mindspore.cpu_ops import CpuOps
+    from graphs.kernels import library_path
+
+    attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.25)
+    rng = np.random.default_rng(0)
+    cu = np.array([0, 5, 5, 12], np.int32)
+    q, k, v = (rng.standard_normal((14, w)).astype(np.float32) for w in (64, 32, 32))
+    cell, _ = _self_attention_cell(CpuOps(library_path()), attrs)
+    got = cell(*(ms.Tensor(x) for x in (q, k, v, cu))).asnumpy()
+    np.testing.assert_allclose(got, ops.self_attention(q, k, v, cu, **attrs), atol=1e-5)
+
+    cell, _ = _self_attention_cell(AscendOps(multi_query=True), attrs)
+    path = tmp_path / "self_attention"
+    ms.export(cell, *(ms.Tensor(x.astype(np.float16) if x.dtype == np.float32 else x) for x in (q, k, v, cu)),
+              file_name=str(path), file_format="MINDIR")
+    (record,) = read_ops(path.with_suffix(".mindir"), {"FlashAttentionScore"})
+    args = record.arguments
+    from mindspore.ops.auto_generate.gen_ops_prim import str_to_enum  # MINDIR stores the layout as an enum
+
+    tnd = str_to_enum("FlashAttentionScore", "input_layout", "TND")
+    assert (args["head_num"], args["input_layout"], args["sparse_mode"]) == (4, tnd, 3)
+    assert args["actual_seq_qlen"] == args["actual_seq_kvlen"] == "<TensorToTuple>"  # host lengths, as ATB reads
+    assert args["scale_value"] == pytest.approx(0.25)
