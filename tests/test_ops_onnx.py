@@ -60,10 +60,10 @@ def test_reshape_and_cache_writes_only_its_slots() -> None:
 def _mixed_batch(rng: np.random.Generator, heads: int, kv_heads: int, block_size: int = 16):
     """Prefill chunks (with and without cached context), then decodes, then padding; packer order."""
     d = 8
-    q_lens = [5, 3, 17, 1, 1, 1]  # multi-query sequences first, then single-query ones
-    ctx = [5, 20, 40, 33, 1, 16]  # a fresh prompt, a chunk over 17 cached tokens, ..., decodes
+    q_lens = [5, 3, 130, 1, 1, 1]  # multi-query sequences first (one spans 3 query tiles), then single-query ones
+    ctx = [5, 20, 150, 33, 1, 16]  # a fresh prompt, a chunk over 17 cached tokens, ..., decodes
     pad_seqs, pad_tokens = 2, 4
-    blocks_per_seq = 4
+    blocks_per_seq = 10
     num_blocks = 1 + len(q_lens) * blocks_per_seq
     tables = np.zeros((len(q_lens) + pad_seqs, blocks_per_seq), np.int32)
     perm = rng.permutation(np.arange(1, num_blocks))
@@ -109,12 +109,12 @@ def test_paged_attention_decode_only_and_prefill_only() -> None:
 
 def test_self_attention_packed_causal() -> None:
     rng = np.random.default_rng(3)
-    cu = np.array([0, 6, 7, 19, 19], np.int32)
-    query = rng.standard_normal((21, 4 * 8), dtype=np.float32)
-    key = rng.standard_normal((21, 2 * 8), dtype=np.float32)
-    value = rng.standard_normal((21, 2 * 8), dtype=np.float32)
+    cu = np.array([0, 6, 7, 90, 90], np.int32)
+    query = rng.standard_normal((92, 4 * 8), dtype=np.float32)
+    key = rng.standard_normal((92, 2 * 8), dtype=np.float32)
+    value = rng.standard_normal((92, 2 * 8), dtype=np.float32)
     attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.35)
     (got,) = run_op("SelfAttention", {"query": query, "key": key, "value": value, "cu_seqlens_q": cu}, ["out"],
                     head_dim=8, **attrs)
     want = ops.self_attention(query, key, value, cu, **attrs)
-    np.testing.assert_allclose(got[:19], want[:19], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[:90], want[:90], rtol=1e-4, atol=1e-5)

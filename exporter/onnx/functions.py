@@ -106,39 +106,59 @@ def _gather_context(n: Nodes, h: "_Heads", pool: str, tables: str) -> tuple[str,
     return n.op("Reshape", context, _shape(n, n.shape_dim(tables, 0), length, h.kv_width)), length
 
 
-def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, keys: str, values: str, length: str,
-                 first_visible: str) -> str:
-    """Sequences with several queries, laid out as [B, S] (S = longest run) -> their packed rows.
+QUERY_TILE = 64
+Context = Callable[[str], tuple[str, str, str]]
 
-    keys/values [B, L, KV*D]; query s of sequence b sees keys 0..first_visible[b] + s.
+
+def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, first_visible: str, context: Context) -> str:
+    """Sequences with several queries (prefill chunks) -> their packed output rows.
+
+    Queries are cut into tiles of QUERY_TILE rows of one sequence each, so a step mixing a long
+    prompt with short ones pays tiles x tile x L, not sequences x longest x L. `context(tile_seq)`
+    gives each tile's keys/values [NT, L, KV*D] and L; query o of sequence b sees keys up to
+    first_visible[b] + o.
     """
-    seqs = n.shape_dim(starts, 0)
-    longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
-    s_range = n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1))
-    tokens = n.shape_dim("query", 0)
-    rows = n.op("Min", n.op("Add", n.unsqueeze(starts, [1]), n.unsqueeze(s_range, [0])), n.op("Sub", tokens, n.const([1])))
-    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, longest, h.kv, h.group, h.dim))
+    tile = n.const([QUERY_TILE])
+    tiles_per_seq = n.op("Div", n.op("Add", q_lens, n.const([QUERY_TILE - 1])), tile)
+    tile_ends = n.op("CumSum", tiles_per_seq, n.const(0))
+    tile_starts = n.op("Sub", tile_ends, tiles_per_seq)
+    num_tiles = n.op("ReduceSum", tiles_per_seq, n.const([0]), keepdims=1)
+    tile_range = n.op("Range", n.const(0), n.op("Squeeze", num_tiles), n.const(1))
+    tile_seq = _owner(n, tile_range, tile_ends)
+    in_tile = n.op("Range", n.const(0), n.const(QUERY_TILE), n.const(1))
+    offsets = n.op("Add", n.unsqueeze(n.op("Mul", n.op("Sub", tile_range, n.op("Gather", tile_starts, tile_seq, axis=0)),
+                                             tile), [1]), n.unsqueeze(in_tile, [0]))  # [NT, TILE] query offsets
+    last_row = n.op("Sub", n.shape_dim("query", 0), n.const([1]))
+    rows = n.op("Min", n.op("Add", n.unsqueeze(n.op("Gather", starts, tile_seq, axis=0), [1]), offsets), last_row)
+    limit = n.op("Add", n.unsqueeze(n.op("Gather", first_visible, tile_seq, axis=0), [1]), offsets)
+    keys, values, length = context(tile_seq)
+    tile_group = n.op("Mul", tile, h.group)
+    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, num_tiles, tile, h.kv, h.group, h.dim))
     query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])
-    query = n.op("Reshape", query, _shape(n, seqs, h.kv, n.op("Mul", longest, h.group), h.dim))  # [B, KV, S*G, D]
-    kv_shape = _shape(n, seqs, length, h.kv, h.dim)
-    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])  # [B, KV, D, L]
-    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])  # [B, KV, L, D]
-    limit = n.op("Add", n.unsqueeze(first_visible, [1]), n.unsqueeze(s_range, [0]))
+    query = n.op("Reshape", query, _shape(n, num_tiles, h.kv, tile_group, h.dim))  # [NT, KV, TILE*G, D]
+    kv_shape = _shape(n, num_tiles, length, h.kv, h.dim)
+    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])  # [NT, KV, D, L]
+    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])  # [NT, KV, L, D]
     key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
-    visible = n.op("LessOrEqual", n.unsqueeze(key_pos, [0, 1]), n.unsqueeze(limit, [2]))  # [B, S, L]
+    visible = n.op("LessOrEqual", n.unsqueeze(key_pos, [0, 1]), n.unsqueeze(limit, [2]))  # [NT, TILE, L]
     mask = n.op("Expand", n.unsqueeze(visible, [1, 3]), _shape(n, 1, 1, 1, h.group, 1))
-    mask = n.op("Reshape", mask, _shape(n, seqs, 1, n.op("Mul", longest, h.group), length))
+    mask = n.op("Reshape", mask, _shape(n, num_tiles, 1, tile_group, length))
     out = _softmax_attention(n, query, keys, values, mask)
-    out = n.op("Reshape", out, _shape(n, seqs, h.kv, longest, h.group, h.dim))
-    out = n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), _shape(n, n.op("Mul", seqs, longest), h.width))
-    # Packed token t (of these sequences) -> flat [B*S] row: its sequence is the number of ends <= t.
-    ends = n.op("Add", starts, q_lens)
+    out = n.op("Reshape", out, _shape(n, num_tiles, h.kv, tile, h.group, h.dim))
+    out = n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), _shape(n, n.op("Mul", num_tiles, tile), h.width))
+    # Packed token t (of these sequences) -> its row in the [NT*TILE] tile layout.
     count = n.op("ReduceSum", q_lens, n.const([0]), keepdims=0)
     t_range = n.op("Range", n.const(0), count, n.const(1))
-    seq_of = n.op("ReduceSum", n.cast(n.op("GreaterOrEqual", n.unsqueeze(t_range, [1]), n.unsqueeze(ends, [0]))),
-                  n.const([1]), keepdims=0)
+    seq_of = _owner(n, t_range, n.op("Add", starts, q_lens))
     offset = n.op("Sub", t_range, n.op("Gather", starts, seq_of, axis=0))
-    return n.op("Gather", out, n.op("Add", n.op("Mul", seq_of, longest), offset), axis=0)
+    tile_of = n.op("Add", n.op("Gather", tile_starts, seq_of, axis=0), n.op("Div", offset, tile))
+    return n.op("Gather", out, n.op("Add", n.op("Mul", tile_of, tile), n.op("Mod", offset, tile)), axis=0)
+
+
+def _owner(n: Nodes, items: str, ends: str) -> str:
+    """Index of the segment holding each item, segments given by their exclusive end offsets."""
+    before = n.op("GreaterOrEqual", n.unsqueeze(items, [1]), n.unsqueeze(ends, [0]))
+    return n.op("ReduceSum", n.cast(before), n.const([1]), keepdims=0)
 
 
 def _softmax_attention(n: Nodes, query: str, keys: str, values: str, mask: str) -> str:
@@ -182,13 +202,15 @@ def _paged_attention(n: Nodes) -> list[str]:
     first = lambda x: n.op("Slice", x, zero, multi, zero)  # noqa: E731
     rest = lambda x: n.op("Slice", x, multi, real, zero)  # noqa: E731
     context_lens, tables = n.cast("context_lens"), n.cast("block_tables")
-    pooled = []
-    for part in (first, rest):
-        keys, length = _gather_context(n, h, "k_cache", part(tables))
-        pooled.append((keys, _gather_context(n, h, "v_cache", part(tables))[0], length))
-    multi_out = _multi_query(n, h, first(starts), first(q_lens), *pooled[0],
-                             n.op("Sub", first(context_lens), first(q_lens)))
-    single_out = _single_query(n, h, rest(starts), *pooled[1], rest(context_lens))
+
+    def pooled(seq_tables: str) -> tuple[str, str, str]:
+        keys, length = _gather_context(n, h, "k_cache", seq_tables)
+        return keys, _gather_context(n, h, "v_cache", seq_tables)[0], length
+
+    multi_tables = first(tables)
+    multi_out = _multi_query(n, h, first(starts), first(q_lens), n.op("Sub", first(context_lens), first(q_lens)),
+                             lambda tile_seq: pooled(n.op("Gather", multi_tables, tile_seq, axis=0)))
+    single_out = _single_query(n, h, rest(starts), *pooled(rest(tables)), rest(context_lens))
     out = n.op("Concat", multi_out, single_out, axis=0)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
@@ -201,9 +223,13 @@ def _self_attention(n: Nodes) -> list[str]:
     q_lens = n.op("Sub", n.op("Slice", cu, n.const([1]), n.const([1 << 62])), starts)
     longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
     rows = n.op("Add", n.unsqueeze(starts, [1]), n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1)))
-    rows = n.op("Min", rows, n.op("Sub", n.shape_dim("query", 0), n.const([1])))
-    out = _multi_query(n, h, starts, q_lens, n.op("Gather", "key", rows, axis=0), n.op("Gather", "value", rows, axis=0),
-                       longest, n.op("Mul", q_lens, n.const(0)))
+    rows = n.op("Min", rows, n.op("Sub", n.shape_dim("query", 0), n.const([1])))  # [B, longest] packed rows
+
+    def own_tokens(tile_seq: str) -> tuple[str, str, str]:
+        tile_rows = n.op("Gather", rows, tile_seq, axis=0)
+        return n.op("Gather", "key", tile_rows, axis=0), n.op("Gather", "value", tile_rows, axis=0), longest
+
+    out = _multi_query(n, h, starts, q_lens, n.op("Mul", q_lens, n.const(0)), own_tokens)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
 
