@@ -25,7 +25,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 class ModelSection(Settings):
     artifact: str = Field(description="exported artifact directory")
     name: str | None = Field(None, description="model id served at /v1/models; default: the artifact's folder name")
-    export_config: str | None = Field(None, description="export YAML `pagedgraph serve` runs if the artifact is missing")
+    export_config: str | None = Field(None, description="export YAML run by `pagedgraph serve` if no artifact")
 
 
 class KVCacheSection(Settings):

@@ -59,11 +59,14 @@ def test_cli_flags_override_the_yaml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text, expected", [
     ("model: {artifact: a}\nserver: {prot: 80}\n", "server.prot = 80: unknown key"),
-    ("model: {artifact: a}\nserver: {port: 70000}\n", "server.port = 70000: Input should be less than or equal to 65535"),
+    ("model: {artifact: a}\nserver: {port: 70000}\n",
+     "server.port = 70000: Input should be less than or equal to 65535"),
     ("model: {artifact: a}\nkv_cache: {num_blocks: 1}\n", "kv_cache.num_blocks = 1"),
-    ("model: {artifact: a}\nsampling: {temperature: -1}\n", "sampling.temperature = -1: Value error, must be a number >= 0"),
+    ("model: {artifact: a}\nsampling: {temperature: -1}\n",
+     "sampling.temperature = -1: Value error, must be a number >= 0"),
     ("model: {artifact: a}\nbuckets: {decode_batch: [4, 1]}\n", "buckets.decode_batch = [4, 1]: Value error, must be"),
-    ("model: {artifact: a}\nscheduler: {max_num_seqs: '8'}\n", "scheduler.max_num_seqs = '8': Input should be a valid integer"),
+    ("model: {artifact: a}\nscheduler: {max_num_seqs: '8'}\n",
+     "scheduler.max_num_seqs = '8': Input should be a valid integer"),
     ("server: {port: 80}\n", "model: Field required"),
 ])
 def test_schema_errors_name_the_field_and_value(tmp_path: Path, text: str, expected: str) -> None:
@@ -85,11 +88,14 @@ def test_engine_config_serves_the_chosen_subset_of_gears() -> None:
 
 
 @pytest.mark.parametrize("sections, expected", [
-    ({"kv_cache": {"block_size": 32}}, "kv_cache.block_size = 32: the artifact /a/smol was exported with block_size 16"),
+    ({"kv_cache": {"block_size": 32}},
+     "kv_cache.block_size = 32: the artifact /a/smol was exported with block_size 16"),
     ({"buckets": {"decode_batch": [1, 8]}},
      "buckets.decode_batch = [1, 8]: [8] not exported; the artifact /a/smol has decode_batch [1, 4, 16]"),
-    ({"buckets": {"prefill_tokens": [64, 512]}}, "[512] not exported; the artifact /a/smol has prefill_tokens [64, 256]"),
-    ({"scheduler": {"max_model_len": 512}}, "scheduler.max_model_len = 512: the artifact /a/smol was exported for at most 256"),
+    ({"buckets": {"prefill_tokens": [64, 512]}},
+     "[512] not exported; the artifact /a/smol has prefill_tokens [64, 256]"),
+    ({"scheduler": {"max_model_len": 512}},
+     "scheduler.max_model_len = 512: the artifact /a/smol was exported for at most 256"),
     ({"buckets": {"context_blocks": [4, 8]}}, "max_model_len 256 needs 16 blocks per sequence; add 16"),
 ])
 def test_a_deployment_the_artifact_cannot_serve_says_why(sections: dict, expected: str) -> None:
@@ -99,7 +105,8 @@ def test_a_deployment_the_artifact_cannot_serve_says_why(sections: dict, expecte
     assert expected in str(err.value)
 
 
-def test_serve_without_an_artifact_or_export_config_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_serve_without_an_artifact_or_export_config_fails_clearly(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
     path = _write(tmp_path, "model: {artifact: missing}\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err

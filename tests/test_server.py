@@ -215,6 +215,15 @@ def test_cancelled_streams_free_their_blocks_and_overload_gets_429(client: opena
     assert client.completions.create(model=MODEL, prompt="still serving?", max_tokens=2).choices[0].text
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(server: ServerThread) -> None:
+    body = {"prompt": PROMPTS[6], "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    start = time.monotonic()
+    _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0 and m["pagedgraph_http_requests_in_flight"] == 0)
+    assert time.monotonic() - start < 5
+
+
 def test_api_key_is_required(server: ServerThread) -> None:
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as err:

@@ -83,6 +83,7 @@ class Frontend:
                                 f"so prompts must be at most {self.max_model_len - 1} tokens",
                            param=prompt_field, code="context_length_exceeded")
         params = self._params(body, max_tokens, logprobs)
+        self.check_alive()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
             self.counters.rejected += 1
             raise APIError(429, f"the server is at max_concurrent_requests = {self.limits.max_concurrent_requests}; "
@@ -165,6 +166,11 @@ class Frontend:
         yield sse("[DONE]")
 
     # -- endpoints ----------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        if not self.loop.alive:
+            raise APIError(503, "the engine loop has stopped; see the server log", type_="server_error",
+                           code="engine_stopped")
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
@@ -202,6 +208,7 @@ class Frontend:
         return {"object": "list", "data": [card]}
 
     async def metrics_text(self) -> str:
+        self.check_alive()
         return metrics.render(await self.loop.snapshot(), self.counters)
 
 
