@@ -251,14 +251,15 @@ class LLMEngine:
                 at = seq.text.find(stop, max(0, seen - len(stop) + 1))
                 if at >= 0:
                     seq.text = seq.text[:at]
-                    return self._finish(seq, "stop")
+                    return self._finish(seq, "stop", flush=False)
         if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        """`flush=False` when a stop string cut the text: held-back bytes lie past the cut."""
         seq.finish_reason = reason
         detok = self._detok.pop(seq)
-        if reason in ("length", "stop") and not (reason == "stop" and seq.text and seq.params.stop):
+        if flush:
             seq.text += detok.flush()
         self.scheduler.finish(seq, keep_cached=reason != "error")
         if all(s.finished for s in self._groups[seq.request_id]):
@@ -295,12 +296,14 @@ class LLM:
                 index[self.engine.add_request(prompt, p).request_id] = i
             except RequestError as exc:
                 results[i] = RequestOutput(f"rejected-{i}", [], [], "", "error", error=str(exc))
+        shown = -1
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
                     results[index[out.request_id]] = out
-            if progress:
-                print(f"\r{len(results)}/{len(prompts)} requests done", end="", file=sys.stderr)
+            if progress and len(results) != shown:
+                shown = len(results)
+                print(f"\r{shown}/{len(prompts)} requests done", end="", file=sys.stderr)
         if progress:
             print(file=sys.stderr)
         return [results[i] for i in range(len(prompts))]
