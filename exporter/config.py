@@ -7,8 +7,9 @@ from pydantic import Field, model_validator
 
 from graphs.settings import Settings
 
-DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
+# Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
+DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+DEFAULT_PREFILL_TOKENS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 
 
 class ModelSource(Settings):
@@ -20,7 +21,7 @@ class ModelSource(Settings):
 class BucketLadders(Settings):
     decode_batch: list[int] = list(DEFAULT_DECODE_BATCHES)
     prefill_tokens: list[int] = list(DEFAULT_PREFILL_TOKENS)
-    prefill_max_seqs: int = Field(16, ge=1, description="sequences per prefill step (the B of prefill gears)")
+    prefill_max_seqs: int = Field(64, ge=1, description="sequences per prefill or mixed step (the B of prefill gears)")
     context_blocks: list[int] | None = Field(
         None, description="blocks-per-sequence ladder (M); default: powers of two up to max_model_len/block_size")
 
@@ -42,6 +43,14 @@ class ExportOptions(Settings):
     max_model_len: int = Field(2048, ge=16)
     buckets: BucketLadders = BucketLadders()
     verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")
+    baseline: Literal["naive"] | None = Field(
+        None, description="also write graphs/naive.onnx, the contiguous-cache baseline `pagedgraph bench` compares with")
+
+    @model_validator(mode="after")
+    def _baseline_needs_onnx(self) -> "ExportOptions":
+        if self.baseline and "onnx" not in self.formats:
+            raise ValueError(f"baseline {self.baseline!r} is an ONNX graph: add onnx to formats or remove baseline")
+        return self
 
 
 class ExportConfig(Settings):
