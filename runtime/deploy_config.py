@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -33,6 +33,8 @@ class KVCacheSection(Settings):
     num_blocks: int | None = Field(None, ge=2, description="pool size in blocks; wins over kv_cache_bytes")
     kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="pool budget in bytes")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
+    prefix_cache_salt: str = Field("", description="mixed into every block hash: tenants with different salts "
+                                                   "never share cached blocks")
 
 
 class BucketsSection(Settings):
@@ -81,9 +83,13 @@ class ServerSection(Settings):
     api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer <key>` on /v1/*")
     max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations; more get 429")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer is aborted")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are parsed")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
+    log_prompts: bool = Field(False, description="log prompt text with each request (off: counts only)")
 
 
 class ExecutorSection(Settings):
+    name: Literal["onnxruntime", "mindspore"] = Field("onnxruntime", description="what runs the bucket graphs")
     threads: int | None = Field(None, ge=1, description="ONNX Runtime intra-op threads (default: all cores)")
 
 
@@ -155,4 +161,5 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
     return EngineConfig(num_blocks=kv.num_blocks, kv_cache_bytes=kv.kv_cache_bytes, max_num_seqs=scheduler.max_num_seqs,
                         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,
                         threads=deployment.executor.threads, gears=gears,
-                        enable_prefix_caching=kv.enable_prefix_caching)
+                        enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
+                        executor=deployment.executor.name)

@@ -1,16 +1,23 @@
 """The OpenAI-compatible HTTP API over one shared engine loop.
 
-Requests are validated and tokenized on the event loop, then handed to the `EngineLoop`; a handler
-holds a `RequestHandle` until its request finishes, and whichever way it ends (answered, timed
-out, client gone) the handle is closed, which aborts an unfinished request and frees its blocks.
+Requests are validated on the event loop and tokenized on one worker thread (a long prompt never
+stalls other streams), then handed to the `EngineLoop`; a handler holds a `RequestHandle` until its
+request finishes, and whichever way it ends (answered, timed out, client gone, server draining) the
+handle is closed, which aborts an unfinished request and frees its blocks. Each generation is logged
+once when it ends: counts and timing, never the API key, and the prompt text only with
+`server.log_prompts`.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import jinja2
@@ -24,9 +31,10 @@ from runtime.deploy_config import Deployment
 from runtime.engine import RequestOutput
 from runtime.sampling_params import RequestError, SamplingParams
 from runtime.server import metrics
+from runtime.server.body_limit import BodyLimit
 from runtime.server.engine_loop import EngineLoop, RequestHandle
 from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
-from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse
+from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
 
@@ -63,12 +71,57 @@ class Frontend:
         self.model = self.deployment.model_name
         self.tokenizer = self.loop.engine.tokenizer
         self.max_model_len = self.loop.engine.max_model_len
+        self.max_n = self.loop.engine.max_num_seqs
         self.defaults = self.deployment.sampling.model_dump()
         self.limits = self.deployment.server
+        self.draining = False
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
+        self.max_prompt_chars = self._max_prompt_chars()
+
+    def _max_prompt_chars(self) -> int | None:
+        """A text longer than this cannot fit in max_model_len tokens, so it is refused before tokenizing.
+
+        No token spells more characters than the longest vocabulary entry; a normalizer may merge
+        characters, so with one there is no such bound.
+        """
+        backend = self.tokenizer.backend
+        if backend.normalizer is not None:
+            return None
+        return self.max_model_len * max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=True)
 
     # -- admission ----------------------------------------------------------------------------
-    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _too_long(self, what: str, prompt_field: str) -> APIError:
+        return APIError(400, f"the prompt is {what}; this model's max_model_len is {self.max_model_len}, so prompts "
+                             f"must be at most {self.max_model_len - 1} tokens", param=prompt_field,
+                        code="context_length_exceeded")
+
+    async def encode(self, text: str, prompt_field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, computed on the tokenizer thread; a text that cannot fit is refused unread."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise self._too_long(f"{len(text)} characters, more than {self.max_prompt_chars} (the longest token "
+                                 "times max_model_len)", prompt_field)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"the prompt is not valid Unicode ({exc.reason} at character {exc.start}): send "
+                                "UTF-8 text", param=prompt_field) from None
+        encode = partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
+
+    def _params(self, body: SamplingFields, num_prompt: int, max_tokens: int | None,
+                logprobs: int | None) -> SamplingParams:
+        if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
+            raise APIError(400, f"max_tokens = {max_tokens} with a prompt of {num_prompt} tokens exceeds this model's "
+                                f"max_model_len = {self.max_model_len}; ask for at most "
+                                f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        if body.n > self.max_n:
+            raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
+                                "deployment runs)", param="n")
         given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                  "seed": body.seed, "stop": body.stop, "n": body.n, "logprobs": logprobs, "ignore_eos": body.ignore_eos}
         try:
@@ -77,13 +130,11 @@ class Frontend:
             raise APIError(400, str(exc), param=exc.field) from None
 
     async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
-                       max_tokens: int | None, logprobs: int | None) -> Response:
+                       max_tokens: int | None, logprobs: int | None, prompt_text: str) -> Response:
         if len(ids) >= self.max_model_len:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's max_model_len is {self.max_model_len}, "
-                                f"so prompts must be at most {self.max_model_len - 1} tokens",
-                           param=prompt_field, code="context_length_exceeded")
-        params = self._params(body, max_tokens, logprobs)
-        self.check_alive()
+            raise self._too_long(f"{len(ids)} tokens", prompt_field)
+        params = self._params(body, len(ids), max_tokens, logprobs)
+        self.check_admitting()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
             self.counters.rejected += 1
             raise APIError(429, f"the server is at max_concurrent_requests = {self.limits.max_concurrent_requests}; "
@@ -98,23 +149,38 @@ class Frontend:
             self.counters.in_flight -= 1
             raise
         self.counters.prompt_tokens += len(ids)
+        shown = prompt_text if self.limits.log_prompts else None
+        close = partial(self._close, handle, request.url.path, time.perf_counter(), shown)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             hold = max((len(s) for s in params.stop), default=1) - 1
-            return _EventStream(self._events(handle, fmt, params.n, hold, include_usage), lambda: self._close(handle))
+            return _EventStream(self._events(handle, fmt, params.n, hold, include_usage), close)
         try:
             out = await self._wait(request, handle)
         finally:
-            self._close(handle)
+            close()
         if out.error:
-            raise APIError(500, out.error, type_="server_error")
+            raise self._failure(out)
         return JSONResponse(fmt.response(out))
 
-    def _close(self, handle: RequestHandle) -> None:
+    def _close(self, handle: RequestHandle, path: str, started: float, prompt: str | None) -> None:
+        """However the request ended: abort it if unfinished, count it, log one line (`prompt` only if asked)."""
         if not handle.finished:
             self.counters.finished["abort"] += 1
         handle.close()
         self.counters.in_flight -= 1
+        counts = usage(handle.last) if handle.last is not None else {"prompt_tokens": 0, "completion_tokens": 0}
+        reason = handle.last.finish_reason if handle.last is not None and handle.finished else "aborted"
+        log.info("%s %s: %d prompt + %d completion tokens, %s, %.3f s%s", handle.request_id, path,
+                 counts["prompt_tokens"], counts["completion_tokens"], reason, time.perf_counter() - started,
+                 "" if prompt is None else f", prompt {prompt!r}")
+
+    @staticmethod
+    def _failure(out: RequestOutput) -> APIError:
+        """A failed step is the server's fault (500); a request ended by a shutdown may be retried elsewhere (503)."""
+        if out.finish_reason == "abort":
+            return APIError(503, out.error or "aborted", type_="server_error", code="server_shutting_down")
+        return APIError(500, out.error or "failed", type_="server_error")
 
     def _finished(self, out: RequestOutput) -> None:
         self.counters.finished[out.finish_reason or "error"] += 1
@@ -150,7 +216,7 @@ class Frontend:
             async for out in handle:
                 if out.error:
                     self._finished(out)
-                    yield sse(APIError(500, out.error, type_="server_error").body())
+                    yield sse(self._failure(out).body())
                     out = None
                     break
                 chunk = tracker.chunk(out)
@@ -166,10 +232,28 @@ class Frontend:
         yield sse("[DONE]")
 
     # -- endpoints ----------------------------------------------------------------------------
-    def check_alive(self) -> None:
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
+                           type_="server_error", code="server_shutting_down")
+        self.check_engine()
+
+    def check_engine(self) -> None:
         if not self.loop.alive:
             raise APIError(503, "the engine loop has stopped; see the server log", type_="server_error",
                            code="engine_stopped")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new generations (503), let running ones finish for up to `timeout_s`, then fail the rest (503)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.counters.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.counters.in_flight:
+            log.warning("drain_timeout_s = %s passed with %d requests running; ending them", timeout_s,
+                        self.counters.in_flight)
+            await self.loop.fail_all("abort", f"the server shut down before this request finished (it waited "
+                                              f"server.drain_timeout_s = {timeout_s} s)")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
@@ -178,29 +262,34 @@ class Frontend:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        self.check_admitting()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
                                     "(concurrent requests are batched together)", param="prompt")
             prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs)
-        return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs)
+        return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs,
+                                   prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        self.check_admitting()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = [m.plain() for m in body.messages]
+        render = partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         try:
-            text = self.tokenizer.apply_chat_template([m.plain() for m in body.messages], add_generation_prompt=True)
+            text = await asyncio.get_running_loop().run_in_executor(self._tokenize, render)
         except (ValueError, jinja2.TemplateError) as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = await self.encode(text, "messages", add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ChatFormat(self.model, self.tokenizer, logprobs)
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs)
+        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs, text)
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "pagedgraph",
@@ -208,16 +297,24 @@ class Frontend:
         return {"object": "list", "data": [card]}
 
     async def metrics_text(self) -> str:
-        self.check_alive()
-        return metrics.render(await self.loop.snapshot(), self.counters)
+        self.check_engine()
+        return metrics.render(await self.loop.snapshot(), self.counters, len(asyncio.all_tasks()),
+                              threading.active_count())
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+def _refuse(request: Request, error: APIError) -> JSONResponse:
+    """Logged by status, field and code only: the message may quote the request (its prompt)."""
+    log.info("%s %s refused: %d %s%s", request.method, request.url.path, error.status, error.code or error.type,
+             f" (param {error.param})" if error.param else "")
+    return JSONResponse(error.body(), error.status)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """400 naming the field; the several errors of one union field (`prompt`, `stop`) become one message."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if errors[0]["type"] == "json_invalid":
-        return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
+        return _refuse(request, APIError(400, "the request body is not valid JSON"))
     locs = [tuple(str(p) for p in e["loc"][1:]) for e in errors]
     common = locs[0]
     for loc in locs[1:]:
@@ -228,18 +325,21 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     value = errors[0].get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     messages = dict.fromkeys("unknown field" if e["type"] == "extra_forbidden" else e["msg"] for e in errors)
-    return JSONResponse(APIError(400, f"{param or 'body'}{shown}: {'; or '.join(messages)}", param=param).body(), 400)
+    return _refuse(request, APIError(400, f"{param or 'body'}{shown}: {'; or '.join(messages)}", param=param))
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(), exc.status_code)
+    message = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parser: name what was wrong
+        message = f"the request body is not valid JSON ({type(exc.__cause__).__name__}: {exc.__cause__})"
+    return _refuse(request, APIError(exc.status_code, message, code=code))
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), exc.status)
+    return _refuse(request, exc)
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:
@@ -268,9 +368,11 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
             yield
         finally:
             loop.stop()
+            frontend.close()
 
     app = FastAPI(title="pagedgraph", lifespan=lifespan)
     app.state.frontend = frontend
+    app.add_middleware(BodyLimit, limit=deployment.server.max_body_bytes)
     for exc_type, handler in ((RequestValidationError, _validation_error), (StarletteHTTPException, _http_error),
                               (APIError, _api_error), (Exception, _server_error)):
         app.add_exception_handler(exc_type, handler)
@@ -283,7 +385,8 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok" if loop.alive else "engine stopped"}, 200 if loop.alive else 503)
+        status = "draining" if frontend.draining else "ok" if loop.alive else "engine stopped"
+        return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> PlainTextResponse:

@@ -55,6 +55,7 @@ class RequestHandle:
         self.request_id = request_id
         self.outputs: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
+        self.last: RequestOutput | None = None
         self._loop = loop
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self.outputs.put_nowait, _EXPIRED)
 
@@ -71,6 +72,7 @@ class RequestHandle:
         if out is _EXPIRED:
             raise TimeoutError(self.request_id)
         self.finished = out.finished
+        self.last = out
         return out
 
     async def result(self) -> RequestOutput:
@@ -149,6 +151,10 @@ class EngineLoop:
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(self._snapshot)
 
+    async def fail_all(self, reason: str, error: str) -> None:
+        """End every request in the engine with `error` (finish reason `reason`); they free their blocks."""
+        await self.call(lambda: self._fail(reason, error))
+
     def release(self, handle: RequestHandle) -> None:
         if self._handles.pop(handle.request_id, None) is not None and not handle.finished:
             self._commands.put(lambda: self._abort(handle.request_id))
@@ -203,13 +209,20 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:  # an engine bug: fail what is in flight, keep serving new requests
             log.exception("engine step failed; failing %d in-flight requests", len(self._live))
-            error = f"engine step failed: {exc}"
-            outputs = [RequestOutput(rid, [], [], "", "error", error=error) for rid in self._live]
-            for out in outputs:
-                try:
-                    self.engine.abort(out.request_id)
-                except Exception:
-                    log.exception("abort of %s failed", out.request_id)
+            self._fail("error", f"engine step failed: {exc}")
+            return
+        self._publish(outputs)
+
+    def _fail(self, reason: str, error: str) -> None:
+        outputs = [RequestOutput(rid, [], [], "", reason, error=error) for rid in self._live]
+        for out in outputs:
+            try:
+                self.engine.abort(out.request_id)
+            except Exception:
+                log.exception("abort of %s failed", out.request_id)
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

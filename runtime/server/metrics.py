@@ -26,7 +26,8 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: list[tu
     lines.extend(f"pagedgraph_{name}{labels} {value}" for labels, value in samples)
 
 
-def render(snap: EngineSnapshot, counters: ServerCounters) -> str:
+def render(snap: EngineSnapshot, counters: ServerCounters, tasks: int, threads: int) -> str:
+    """`tasks` and `threads` are the event loop's tasks and the process's Python threads, to spot leaks."""
     lines: list[str] = []
     used = snap.kv_blocks_total - snap.kv_blocks_free
     gauges = [
@@ -38,6 +39,8 @@ def render(snap: EngineSnapshot, counters: ServerCounters) -> str:
         ("kv_blocks_free", "KV cache blocks free (evictable prefix-cache blocks included).", snap.kv_blocks_free),
         ("kv_blocks_cached", "KV cache blocks registered in the prefix cache (used or evictable).",
          snap.kv_blocks_cached),
+        ("event_loop_tasks", "Tasks on the server's event loop (this scrape's included).", tasks),
+        ("python_threads", "Python threads in the server process.", threads),
     ]
     for name, help_, value in gauges:
         _metric(lines, name, "gauge", help_, [("", value)])

@@ -1,6 +1,7 @@
 """OpenAI request bodies and the OpenAI error shape.
 
-Unknown fields are errors (400 naming the field), like unknown YAML keys. OpenAI fields this server
+Unknown fields are errors (400 naming the field), like unknown YAML keys, and so are NaN and Infinity
+(which Python's JSON parser accepts). OpenAI fields this server
 does not implement are accepted only at their neutral value, so clients that always send them
 (`presence_penalty: 0`, `echo: false`) still work while a real use of them is refused clearly.
 """
@@ -34,7 +35,7 @@ class APIError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator(*NEUTRAL, check_fields=False)
     @classmethod
@@ -58,7 +59,7 @@ class SamplingFields(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -107,5 +108,5 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None

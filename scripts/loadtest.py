@@ -1,0 +1,348 @@
+#!/usr/bin/env python
+"""Drive a real `pagedgraph serve` with concurrent clients and check that nothing is lost or leaked.
+
+    python scripts/loadtest.py --config configs/deploy-smollm2.yaml --requests 200 --concurrency 64 \\
+        --cancel-fraction 0.2 --json loadtest.json
+
+The server runs as a subprocess on a free port. The requests mix chat prompts that share a long system
+prompt (prefix caching), completions of random token ids of log-uniform length (chunked prefill, the big
+gears) and short text prompts; streaming and not; greedy and sampled (n = 1 or 2); and a fraction is
+cancelled by the client mid-way. Each distinct greedy request is first run alone, then:
+
+- every greedy request that completes under load must return exactly its solo text (`mismatches`);
+- no valid request may fail (`errors`);
+- once idle, every KV block is free again (cached-but-evictable counts as free; `leaked_blocks`), the
+  event loop holds as many tasks and the process as many threads as after the warm-up, and RSS is
+  within `--rss-tolerance` of its post-warm-up value;
+- SIGTERM then drains and the server exits 0.
+
+The JSON holds `requests_per_s` (completed requests per second of load), `errors`, `mismatches`,
+`leaked_blocks`, `p99_latency_s` and the measurements behind each check; the exit status is 0 when all pass.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from graphs.manifest import Manifest
+from runtime.deploy_config import load_deployment
+from runtime.workloads import shared_prefix_workload
+
+FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A distinct request body; `greedy` ones have one right answer, their solo-run text."""
+
+    path: str
+    body: dict[str, Any]
+
+    @property
+    def greedy(self) -> bool:
+        return self.body.get("temperature") == 0
+
+
+@dataclass(frozen=True)
+class Planned:
+    spec: int
+    stream: bool
+    cancel_at: float | None  # the client hangs up after this fraction of `scale` seconds, if not done by then
+
+
+@dataclass
+class Result:
+    spec: int
+    outcome: str  # "completed", "cancelled" or "error"
+    latency_s: float = 0.0
+    texts: list[str] = field(default_factory=list)
+    detail: str = ""
+
+
+# -- the workload -----------------------------------------------------------------------------------
+def make_specs(count: int, max_tokens: int, max_model_len: int, vocab_size: int, seed: int) -> list[Spec]:
+    """`count` distinct bodies cycling chat / token ids / text, three in four greedy, all fitting max_model_len."""
+    rng = random.Random(seed)
+    room = max_model_len - max_tokens - 1
+    chats = shared_prefix_workload(num_requests=count, prefix_words=max(8, int((room - 80) / 1.5)),
+                                   max_tokens=max_tokens, seed=seed)
+    specs = []
+    for i, chat in enumerate(chats):
+        greedy = i % 4 != 3
+        sampling: dict[str, Any] = {"max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens),
+                                    "temperature": 0 if greedy else 0.8}
+        if not greedy:
+            sampling.update(top_p=0.95, seed=rng.randrange(1 << 30), n=rng.choice((1, 2)))
+        kind = i % 3
+        if kind == 0:
+            specs.append(Spec("/v1/chat/completions", {"messages": chat["messages"], **sampling}))
+        elif kind == 1:
+            length = int(math.exp(rng.uniform(math.log(8), math.log(max(9, room // 2)))))
+            ids = [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(length)]
+            specs.append(Spec("/v1/completions", {"prompt": ids, **sampling}))
+        else:
+            specs.append(Spec("/v1/completions", {"prompt": chat["messages"][1]["content"], **sampling}))
+    return specs
+
+
+def plan(count: int, num_specs: int, cancel_fraction: float, seed: int) -> list[Planned]:
+    rng = random.Random(seed + 1)
+    return [Planned(rng.randrange(num_specs), rng.random() < 0.5,
+                    rng.uniform(0.02, 1.0) if rng.random() < cancel_fraction else None) for _ in range(count)]
+
+
+# -- the server -------------------------------------------------------------------------------------
+class ServerProcess:
+    """`pagedgraph serve --config CONFIG --port 0` as a subprocess; its output goes to a log file."""
+
+    def __init__(self, config: str, timeout_s: float) -> None:
+        self.log_path = Path(tempfile.mkstemp(prefix="pagedgraph-loadtest-", suffix=".log")[1])
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedgraph.cli", "serve", "--config", config,
+                                      "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = psutil.Process(self.proc.pid)
+        self._started = threading.Event()
+        self._url: str | None = None
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        if not self._started.wait(timeout_s) or self._url is None:
+            self.proc.kill()
+            raise RuntimeError(f"the server did not start within {timeout_s} s; log: {self.log_path}\n"
+                               f"{self.log_path.read_text()[-3000:]}")
+        self.url = self._url
+
+    def _read_log(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                found = re.search(r"listening on (http://\S+?)(?: |$)", line)
+                if found:
+                    self._url = found.group(1).replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+                if "Application startup complete" in line:
+                    self._started.set()
+        self._started.set()
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM (a drain with nothing running) and the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^pagedgraph_(\w+) (\S+)$", text, re.M)}
+
+
+def settle(client: httpx.Client, timeout_s: float) -> dict[str, float]:
+    """Metrics once nothing runs, waits or is in flight (or the last ones seen at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(client)
+        idle = m["requests_running"] == m["requests_waiting"] == m["http_requests_in_flight"] == 0
+        if (idle and m["kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# -- the clients ------------------------------------------------------------------------------------
+def _texts(response: dict[str, Any], texts: dict[int, str]) -> None:
+    """Accumulate each choice's text from a response or a stream chunk."""
+    if "error" in response:
+        raise RuntimeError(json.dumps(response["error"]))
+    for choice in response.get("choices", []):
+        part = choice.get("text")
+        if part is None:
+            part = (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+        texts[choice["index"]] = texts.get(choice["index"], "") + part
+
+
+async def _send(client: httpx.AsyncClient, spec: Spec, stream: bool) -> list[str]:
+    texts: dict[int, str] = {}
+    if not stream:
+        response = await client.post(spec.path, json=spec.body)
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+        _texts(response.json(), texts)
+    else:
+        async with client.stream("POST", spec.path, json={**spec.body, "stream": True}) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            done = False
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    _texts(json.loads(line[6:]), texts)
+            if not done:
+                raise RuntimeError("the stream ended without [DONE]")
+    return [texts[i] for i in sorted(texts)]
+
+
+async def _one(client: httpx.AsyncClient, specs: list[Spec], item: Planned, gate: asyncio.Semaphore,
+               scale: float) -> Result:
+    async with gate:
+        start = time.perf_counter()
+        task = asyncio.ensure_future(_send(client, specs[item.spec], item.stream))
+        try:
+            texts = await asyncio.wait_for(asyncio.shield(task), None if item.cancel_at is None else
+                                           item.cancel_at * scale)
+        except TimeoutError:
+            task.cancel()  # closes the connection: the server must abort the request and free its blocks
+            await asyncio.gather(task, return_exceptions=True)
+            return Result(item.spec, "cancelled")
+        except Exception as exc:
+            return Result(item.spec, "error", detail=f"{type(exc).__name__}: {exc}")
+        return Result(item.spec, "completed", time.perf_counter() - start, texts)
+
+
+async def run_load(url: str, headers: dict[str, str], specs: list[Spec], items: list[Planned],
+                   concurrency: int, scale: float = 1.0) -> tuple[list[Result], float]:
+    """Send `items` from `concurrency` clients; cancellations fall within `scale` seconds of sending."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, specs, item, gate, scale) for item in items))
+        return list(results), time.perf_counter() - start
+
+
+def solo(url: str, headers: dict[str, str], specs: list[Spec]) -> dict[int, list[str]]:
+    """Each greedy spec's texts when it runs alone; a spec the server refuses stops the test here."""
+    answers = {}
+    for i, spec in enumerate(specs):
+        if spec.greedy:
+            result = asyncio.run(run_load(url, headers, specs, [Planned(i, False, None)], 1))[0][0]
+            if result.outcome != "completed":
+                raise RuntimeError(f"spec {i} ({spec.path}) failed alone: {result.detail}")
+            answers[i] = result.texts
+    return answers
+
+
+# -- the report -------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    deployment = load_deployment(args.config)
+    headers = {"Authorization": f"Bearer {deployment.server.api_key}"} if deployment.server.api_key else {}
+    manifest = Manifest.load(Path(deployment.model.artifact), verify=False)
+    server = ServerProcess(args.config, args.startup_timeout)
+    report: dict[str, Any] = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
+                              "cancel_fraction": args.cancel_fraction, "server_log": str(server.log_path)}
+    try:
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+            max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+            specs = make_specs(args.specs, args.max_tokens, max_model_len, manifest.model.vocab_size, args.seed)
+            answers = solo(server.url, headers, specs)
+            warmup = plan(args.warmup, len(specs), args.cancel_fraction, args.seed + 7)
+            warm, _ = asyncio.run(run_load(server.url, headers, specs, warmup, args.concurrency))
+            # Cancel within the typical latency under this load, so clients hang up while queued and mid-stream.
+            scale = 1.5 * percentile([r.latency_s for r in warm if r.outcome == "completed"], 0.5)
+            before = settle(client, args.settle_timeout)
+            rss_before, os_threads_before = server.rss(), server.process.num_threads()
+            results, wall = asyncio.run(run_load(server.url, headers, specs,
+                                                 plan(args.requests, len(specs), args.cancel_fraction, args.seed),
+                                                 args.concurrency, scale))
+            after = settle(client, args.settle_timeout)
+            rss_after, os_threads_after = server.rss(), server.process.num_threads()
+    finally:
+        report["exit_code"] = server.stop(args.settle_timeout)
+    completed = [r for r in results if r.outcome == "completed"]
+    errors = [r for r in results if r.outcome == "error"]
+    compared = [r for r in completed if r.spec in answers]
+    mismatched = [r for r in compared if r.texts != answers[r.spec]]
+    latencies = [r.latency_s for r in completed]
+    report.update({
+        "requests_per_s": round(len(completed) / wall, 3),
+        "errors": len(errors),
+        "mismatches": len(mismatched),
+        "leaked_blocks": int(after["kv_blocks_total"] - after["kv_blocks_free"]),
+        "p99_latency_s": round(percentile(latencies, 0.99), 3),
+        "p50_latency_s": round(percentile(latencies, 0.50), 3),
+        "wall_s": round(wall, 2),
+        "completed": len(completed),
+        "cancelled": sum(r.outcome == "cancelled" for r in results),
+        "greedy_compared": len(compared),
+        "kv_blocks_total": int(after["kv_blocks_total"]),
+        "kv_blocks_free_before": int(before["kv_blocks_free"]),
+        "kv_blocks_free_after": int(after["kv_blocks_free"]),
+        "rss_post_warmup_mb": round(rss_before / 2**20, 1),
+        "rss_after_mb": round(rss_after / 2**20, 1),
+        "rss_growth": round(rss_after / rss_before - 1, 4),
+        "python_threads": [int(before["python_threads"]), int(after["python_threads"])],
+        "os_threads": [os_threads_before, os_threads_after],
+        "event_loop_tasks": [int(before["event_loop_tasks"]), int(after["event_loop_tasks"])],
+        "first_errors": [asdict(r) for r in errors[:5]],
+        "first_mismatches": [{"spec": r.spec, "got": r.texts, "solo": answers[r.spec]} for r in mismatched[:3]],
+    })
+    checks = {
+        "errors": report["errors"] == 0,
+        "mismatches": report["mismatches"] == 0,
+        "leaked_blocks": report["leaked_blocks"] == 0,
+        "rss": abs(report["rss_growth"]) <= args.rss_tolerance,
+        "python_threads": report["python_threads"][0] == report["python_threads"][1],
+        "os_threads": report["os_threads"][0] == report["os_threads"][1],
+        "event_loop_tasks": report["event_loop_tasks"][0] == report["event_loop_tasks"][1],
+        "exit_code": report["exit_code"] == 0,
+    }
+    report["failed_checks"] = [name for name, ok in checks.items() if not ok]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="deployment YAML (as for `pagedgraph serve`)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=64, help="clients sending at once")
+    parser.add_argument("--cancel-fraction", type=float, default=0.2, help="share of requests cancelled mid-way")
+    parser.add_argument("--specs", type=int, default=24, help="distinct request bodies the requests draw from")
+    parser.add_argument("--max-tokens", type=int, default=64, help="the longest max_tokens a request asks for")
+    parser.add_argument("--warmup", type=int, default=64, help="requests sent (like the load) before measuring")
+    parser.add_argument("--rss-tolerance", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--settle-timeout", type=float, default=60.0, help="how long the server may take to idle")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    if report["failed_checks"]:
+        print(f"FAILED: {', '.join(report['failed_checks'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
