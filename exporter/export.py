@@ -68,14 +68,27 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None)
             files=files, export_config=config.model_dump(mode="json"))
         (staging / MANIFEST).write_text(manifest.to_json())
         reports = _verify_gears(staging, manifest, log) if options.verify_gears and "onnx" in options.formats else []
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
+        _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _summary(out_dir, manifest, reports, time.perf_counter() - started, log)
     return manifest
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename `staging` to `out_dir`; an artifact already there is renamed aside first and deleted last.
+
+    So a crash at any point leaves `out_dir` holding the old artifact or the new one, whole (or, between
+    the two renames, nothing; the old one then lies in a hidden `.<name>.old-*` sibling).
+    """
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    out_dir.rename(aside / out_dir.name)
+    staging.rename(out_dir)
+    shutil.rmtree(aside)
 
 
 def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, out: Path) -> None:
