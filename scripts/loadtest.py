@@ -94,11 +94,27 @@ def make_specs(count: int, max_tokens: int, max_model_len: int, vocab_size: int,
             specs.append(Spec("/v1/chat/completions", {"messages": chat["messages"], **sampling}))
         elif kind == 1:
             length = int(math.exp(rng.uniform(math.log(8), math.log(max(9, room // 2)))))
-            ids = [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(length)]
-            specs.append(Spec("/v1/completions", {"prompt": ids, **sampling}))
+            specs.append(Spec("/v1/completions", {"prompt": _random_ids(rng, length, vocab_size), **sampling}))
         else:
             specs.append(Spec("/v1/completions", {"prompt": chat["messages"][1]["content"], **sampling}))
     return specs
+
+
+def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(length)]
+
+
+def pool_fillers(pool_tokens: int, max_model_len: int, vocab_size: int, seed: int) -> list[Spec]:
+    """Prefill-only prompts of distinct random tokens that together fill every KV block once.
+
+    The pools are zeroed lazily (calloc): a block's pages become resident when first written. With
+    prefix caching the free queue hands out never-used blocks before it evicts, so these requests
+    make the whole pool resident before RSS is measured, and growth after that is not first-touch.
+    """
+    rng = random.Random(seed + 13)
+    length = min(max_model_len - 1, 1024)
+    return [Spec("/v1/completions", {"prompt": _random_ids(rng, length, vocab_size), "max_tokens": 1,
+                                     "temperature": 0}) for _ in range(pool_tokens // length + 2)]
 
 
 def plan(count: int, num_specs: int, cancel_fraction: float, seed: int) -> list[Planned]:
@@ -250,71 +266,110 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    deployment = load_deployment(args.config)
-    headers = {"Authorization": f"Bearer {deployment.server.api_key}"} if deployment.server.api_key else {}
-    manifest = Manifest.load(Path(deployment.model.artifact), verify=False)
-    server = ServerProcess(args.config, args.startup_timeout)
-    report: dict[str, Any] = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
-                              "cancel_fraction": args.cancel_fraction, "server_log": str(server.log_path)}
-    try:
-        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
-            max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
-            specs = make_specs(args.specs, args.max_tokens, max_model_len, manifest.model.vocab_size, args.seed)
-            answers = solo(server.url, headers, specs)
-            warmup = plan(args.warmup, len(specs), args.cancel_fraction, args.seed + 7)
-            warm, _ = asyncio.run(run_load(server.url, headers, specs, warmup, args.concurrency))
-            # Cancel within the typical latency under this load, so clients hang up while queued and mid-stream.
-            scale = 1.5 * percentile([r.latency_s for r in warm if r.outcome == "completed"], 0.5)
-            before = settle(client, args.settle_timeout)
-            rss_before, os_threads_before = server.rss(), server.process.num_threads()
-            results, wall = asyncio.run(run_load(server.url, headers, specs,
-                                                 plan(args.requests, len(specs), args.cancel_fraction, args.seed),
-                                                 args.concurrency, scale))
-            after = settle(client, args.settle_timeout)
-            rss_after, os_threads_after = server.rss(), server.process.num_threads()
-    finally:
-        report["exit_code"] = server.stop(args.settle_timeout)
-    completed = [r for r in results if r.outcome == "completed"]
-    errors = [r for r in results if r.outcome == "error"]
-    compared = [r for r in completed if r.spec in answers]
-    mismatched = [r for r in compared if r.texts != answers[r.spec]]
+@dataclass
+class Snapshot:
+    """The server idle: its metrics, RSS and OS threads."""
+
+    metrics: dict[str, float]
+    rss: int
+    os_threads: int
+
+
+@dataclass
+class Measured:
+    answers: dict[int, list[str]]
+    load: list[Planned]
+    results: list[Result]
+    wall_s: float
+    before: Snapshot
+    after: Snapshot
+
+
+def idle(server: ServerProcess, client: httpx.Client, timeout_s: float) -> Snapshot:
+    return Snapshot(settle(client, timeout_s), server.rss(), server.process.num_threads())
+
+
+def measure(server: ServerProcess, args: argparse.Namespace, headers: dict[str, str], vocab_size: int,
+            block_size: int) -> Measured:
+    """Solo runs, pool fill and warm-up, the idle baseline, the load, the idle state after it."""
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        specs = make_specs(args.specs, args.max_tokens, max_model_len, vocab_size, args.seed)
+        answers = solo(server.url, headers, specs)
+        fillers = pool_fillers(int(metrics(client)["kv_blocks_total"]) * block_size, max_model_len, vocab_size,
+                               args.seed)
+        asyncio.run(run_load(server.url, headers, fillers, [Planned(i, False, None) for i in range(len(fillers))],
+                             args.concurrency))
+        warmup = plan(args.warmup, len(specs), args.cancel_fraction, args.seed + 7)
+        warm, _ = asyncio.run(run_load(server.url, headers, specs, warmup, args.concurrency))
+        # Cancel within the typical latency under this load, so clients hang up while queued and mid-stream.
+        scale = percentile([r.latency_s for r in warm if r.outcome == "completed"], 0.5)
+        before = idle(server, client, args.settle_timeout)
+        load = plan(args.requests, len(specs), args.cancel_fraction, args.seed)
+        results, wall = asyncio.run(run_load(server.url, headers, specs, load, args.concurrency, scale))
+        return Measured(answers, load, results, wall, before, idle(server, client, args.settle_timeout))
+
+
+def summarize(m: Measured, exit_code: int, rss_tolerance: float) -> dict[str, Any]:
+    completed = [r for r in m.results if r.outcome == "completed"]
+    errors = [r for r in m.results if r.outcome == "error"]
+    compared = [r for r in completed if r.spec in m.answers]
+    mismatched = [r for r in compared if r.texts != m.answers[r.spec]]
     latencies = [r.latency_s for r in completed]
-    report.update({
-        "requests_per_s": round(len(completed) / wall, 3),
+    before, after = m.before.metrics, m.after.metrics
+    report = {
+        "requests_per_s": round(len(completed) / m.wall_s, 3),
         "errors": len(errors),
         "mismatches": len(mismatched),
         "leaked_blocks": int(after["kv_blocks_total"] - after["kv_blocks_free"]),
         "p99_latency_s": round(percentile(latencies, 0.99), 3),
         "p50_latency_s": round(percentile(latencies, 0.50), 3),
-        "wall_s": round(wall, 2),
+        "wall_s": round(m.wall_s, 2),
         "completed": len(completed),
-        "cancelled": sum(r.outcome == "cancelled" for r in results),
+        "cancelled": sum(r.outcome == "cancelled" for r in m.results),  # planned ones that finished first complete
+        "cancels_planned": sum(item.cancel_at is not None for item in m.load),
         "greedy_compared": len(compared),
+        "preemptions": int(after["preemptions_total"] - before["preemptions_total"]),
+        "prefix_cache_hit_tokens": int(after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]),
         "kv_blocks_total": int(after["kv_blocks_total"]),
         "kv_blocks_free_before": int(before["kv_blocks_free"]),
         "kv_blocks_free_after": int(after["kv_blocks_free"]),
-        "rss_post_warmup_mb": round(rss_before / 2**20, 1),
-        "rss_after_mb": round(rss_after / 2**20, 1),
-        "rss_growth": round(rss_after / rss_before - 1, 4),
+        "rss_post_warmup_mb": round(m.before.rss / 2**20, 1),
+        "rss_after_mb": round(m.after.rss / 2**20, 1),
+        "rss_growth": round(m.after.rss / m.before.rss - 1, 4),
         "python_threads": [int(before["python_threads"]), int(after["python_threads"])],
-        "os_threads": [os_threads_before, os_threads_after],
+        "os_threads": [m.before.os_threads, m.after.os_threads],
         "event_loop_tasks": [int(before["event_loop_tasks"]), int(after["event_loop_tasks"])],
+        "exit_code": exit_code,
         "first_errors": [asdict(r) for r in errors[:5]],
-        "first_mismatches": [{"spec": r.spec, "got": r.texts, "solo": answers[r.spec]} for r in mismatched[:3]],
-    })
+        "first_mismatches": [{"spec": r.spec, "got": r.texts, "solo": m.answers[r.spec]} for r in mismatched[:3]],
+    }
     checks = {
         "errors": report["errors"] == 0,
         "mismatches": report["mismatches"] == 0,
         "leaked_blocks": report["leaked_blocks"] == 0,
-        "rss": abs(report["rss_growth"]) <= args.rss_tolerance,
-        "python_threads": report["python_threads"][0] == report["python_threads"][1],
-        "os_threads": report["os_threads"][0] == report["os_threads"][1],
-        "event_loop_tasks": report["event_loop_tasks"][0] == report["event_loop_tasks"][1],
-        "exit_code": report["exit_code"] == 0,
+        "rss": abs(report["rss_growth"]) <= rss_tolerance,
+        "python_threads": len(set(report["python_threads"])) == 1,
+        "os_threads": len(set(report["os_threads"])) == 1,
+        "event_loop_tasks": len(set(report["event_loop_tasks"])) == 1,
+        "exit_code": exit_code == 0,
     }
     report["failed_checks"] = [name for name, ok in checks.items() if not ok]
     return report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    deployment = load_deployment(args.config)
+    headers = {"Authorization": f"Bearer {deployment.server.api_key}"} if deployment.server.api_key else {}
+    manifest = Manifest.load(Path(deployment.model.artifact), verify=False)
+    server = ServerProcess(args.config, args.startup_timeout)
+    try:
+        measured = measure(server, args, headers, manifest.model.vocab_size, manifest.block_size)
+    finally:
+        exit_code = server.stop(args.settle_timeout)
+    return {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
+            "cancel_fraction": args.cancel_fraction, "server_log": str(server.log_path),
+            **summarize(measured, exit_code, args.rss_tolerance)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,8 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi",', 400, None, None, "not valid JSON"),
     (b'{"prompt": "caf\xe9"}', 400, None, None, "UnicodeDecodeError"),
     (b'[1, 2]', 400, None, None, "valid dictionary"),
+    (b'[' * 100_000 + b']' * 100_000, 400, None, None, "RecursionError"),
+    (b'{"prompt": "hi", "max_tokens": 1' + b'0' * 5000 + b'}', 400, None, None, "integer string conversion"),
     ({"prompt": 5}, 400, "prompt", None, "prompt"),
     ({"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", None, "integer"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream", None, "boolean"),
