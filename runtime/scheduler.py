@@ -125,11 +125,14 @@ class Scheduler:
             budget -= n
         if not plan:
             return None
+        # Packing order (docs/design.md): chunks first, then single tokens by context length, longest
+        # first, so the graph can split the decodes into two groups that each read what they use.
         batch = ScheduledBatch()
-        for multi in (True, False):
-            for seq, (n, copies) in plan.items():
-                if (n > 1) is multi:
-                    batch.seqs.append(seq)
-                    batch.num_tokens.append(n)
-                    batch.copies.extend(copies)
+        chunks = [seq for seq, (n, _) in plan.items() if n > 1]
+        singles = sorted((seq for seq, (n, _) in plan.items() if n == 1), key=lambda s: -s.num_computed_tokens)
+        for seq in chunks + singles:
+            n, copies = plan[seq]
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            batch.copies.extend(copies)
         return batch

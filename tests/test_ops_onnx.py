@@ -118,3 +118,24 @@ def test_self_attention_packed_causal() -> None:
                     head_dim=8, **attrs)
     want = ops.self_attention(query, key, value, cu, **attrs)
     np.testing.assert_allclose(got[:90], want[:90], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_paged_attention_decodes_split_by_context_length(order: str) -> None:
+    """Decodes are split where it saves the most context reads; any order stays correct."""
+    rng = np.random.default_rng(11)
+    ctx = np.array([150, 140, 30, 20, 17, 5, 3, 1] + [0, 0], np.int32)
+    if order == "unsorted":
+        ctx[:8] = rng.permutation(ctx[:8])
+    heads, kv_heads, d, bs = 4, 2, 8, 16
+    tables = np.zeros((10, 10), np.int32)
+    tables[:8] = rng.permutation(np.arange(1, 81)).reshape(8, 10)
+    cu = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8], np.int32)
+    query = rng.standard_normal((9, heads * d), dtype=np.float32)
+    k_cache = rng.standard_normal((81 * bs, kv_heads * d), dtype=np.float32)
+    v_cache = rng.standard_normal((81 * bs, kv_heads * d), dtype=np.float32)
+    attrs = dict(head_num=heads, kv_head_num=kv_heads, qk_scale=0.3, block_size=bs)
+    (got,) = run_op("PagedAttention", {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+                                       "context_lens": ctx, "cu_seqlens_q": cu}, ["out"], head_dim=d, **attrs)
+    want = ops.paged_attention(query, k_cache, v_cache, tables, ctx, cu, **attrs)
+    np.testing.assert_allclose(got[:8], want[:8], rtol=1e-4, atol=1e-5)

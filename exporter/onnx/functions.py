@@ -189,8 +189,10 @@ def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, length
 def _paged_attention(n: Nodes) -> list[str]:
     """Multi-query sequences (prefill chunks) first, then single-query ones, as the packer orders them.
 
-    Each group is laid out by its own longest query run, so a decode never pays for a prefill's
-    length; padding sequences (no queries) and padding tokens cost nothing but the final Pad.
+    Each group reads only the block-table columns its longest context needs (not the gear's M),
+    and the single-query group is split once where that saves the most context reads, so a decode
+    at 64 tokens of context never pays for one at 1,024. Padding sequences and tokens cost only
+    the final Pad.
     """
     h = _Heads(n)
     cu = n.cast("cu_seqlens_q")
@@ -198,22 +200,62 @@ def _paged_attention(n: Nodes) -> list[str]:
     q_lens = n.op("Sub", n.op("Slice", cu, n.const([1]), n.const([1 << 62])), starts)
     multi = n.op("ReduceSum", n.cast(n.op("Greater", q_lens, n.const(1))), n.const([0]), keepdims=1)
     real = n.op("ReduceSum", n.cast(n.op("Greater", q_lens, n.const(0))), n.const([0]), keepdims=1)
-    zero = n.const([0])
-    first = lambda x: n.op("Slice", x, zero, multi, zero)  # noqa: E731
-    rest = lambda x: n.op("Slice", x, multi, real, zero)  # noqa: E731
     context_lens, tables = n.cast("context_lens"), n.cast("block_tables")
+    block_size = n.attr_const("block_size", "int")
+    blocks = n.op("Div", n.op("Add", context_lens, n.op("Sub", block_size, n.const(1))), block_size)
+    rows = _Rows(n, [starts, q_lens, context_lens, tables, blocks])
 
     def pooled(seq_tables: str) -> tuple[str, str, str]:
         keys, length = _gather_context(n, h, "k_cache", seq_tables)
         return keys, _gather_context(n, h, "v_cache", seq_tables)[0], length
 
-    multi_tables = first(tables)
-    multi_out = _multi_query(n, h, first(starts), first(q_lens), n.op("Sub", first(context_lens), first(q_lens)),
-                             lambda tile_seq: pooled(n.op("Gather", multi_tables, tile_seq, axis=0)))
-    single_out = _single_query(n, h, rest(starts), *pooled(rest(tables)), rest(context_lens))
-    out = n.op("Concat", multi_out, single_out, axis=0)
+    m_starts, m_lens, m_ctx, m_tables, m_blocks = rows.take(n.const([0]), multi)
+    m_tables = _used_columns(n, m_tables, m_blocks)
+    multi_out = _multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens),
+                             lambda tile_seq: pooled(n.op("Gather", m_tables, tile_seq, axis=0)))
+    split = n.op("Add", multi, _best_split(n, rows.take(multi, real)[4]))
+    outs = [multi_out]
+    for lo, hi in ((multi, split), (split, real)):
+        s_starts, _, s_ctx, s_tables, s_blocks = rows.take(lo, hi)
+        outs.append(_single_query(n, h, s_starts, *pooled(_used_columns(n, s_tables, s_blocks)), s_ctx))
+    out = n.op("Concat", *outs, axis=0)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
+
+
+class _Rows:
+    """Per-sequence tensors sliced together by sequence range."""
+
+    def __init__(self, n: Nodes, tensors: list[str]) -> None:
+        self.n = n
+        self.tensors = tensors
+
+    def take(self, lo: str, hi: str) -> list[str]:
+        zero = self.n.const([0])
+        return [self.n.op("Slice", t, lo, hi, zero) for t in self.tensors]
+
+
+def _used_columns(n: Nodes, tables: str, blocks: str) -> str:
+    """The leading block-table columns that the group's longest context uses (at least one).
+
+    Never zero: Reshape reads a 0 in a shape as "copy this dim", so an empty group keeps L = block_size.
+    """
+    needed = n.op("ReduceMax", n.op("Concat", blocks, n.const([1]), axis=0), keepdims=1)
+    return n.op("Slice", tables, n.const([0]), needed, n.const([1]))
+
+
+def _best_split(n: Nodes, blocks: str) -> str:
+    """k minimising k * max(blocks[:k]) + (B - k) * max(blocks[k:]) for blocks sorted descending.
+
+    The scheduler sorts decodes by context length, so the two groups each gather close to what
+    they use; k = 0 (no split) wins ties. Correct for any order: each group trims to its own max.
+    """
+    count = n.shape_dim(blocks, 0)
+    padded = n.op("Concat", blocks, n.const([0]), axis=0)
+    ks = n.op("Range", n.const(0), n.op("Add", n.op("Squeeze", count), n.const(1)), n.const(1))
+    longest = n.op("Gather", padded, n.const(0), axis=0)
+    cost = n.op("Add", n.op("Mul", ks, longest), n.op("Mul", n.op("Sub", count, ks), n.op("Gather", padded, ks, axis=0)))
+    return n.op("ArgMin", cost, axis=0, keepdims=1, select_last_index=0)
 
 
 def _self_attention(n: Nodes) -> list[str]:
