@@ -1,6 +1,8 @@
 """Per-request sampling settings, validated where they enter."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,10 +35,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", _number(self.temperature) and self.temperature >= 0, "must be a number >= 0"),
+            ("temperature", _number(self.temperature) and 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be an integer >= -1 (0 or -1: off)"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
