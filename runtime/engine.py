@@ -34,6 +34,7 @@ class EngineConfig:
     gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
     enable_prefix_caching: bool = True
     prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
+    long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
     executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
 
 
@@ -98,7 +99,8 @@ class LLMEngine:
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  config.prefix_cache_salt.encode())
-        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads)
         self.stats = EngineStats(cache=self.kv.stats)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}

@@ -38,10 +38,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None = None) -> None:
+        """`long_prefill_token_threshold` caps one sequence's chunk per step (a multiple of block_size):
+        smaller chunks keep the steps that carry a long prompt short for the decodes beside it."""
+        if long_prefill_token_threshold is not None and (
+                long_prefill_token_threshold < kv.block_size or long_prefill_token_threshold % kv.block_size):
+            raise ValueError(f"long_prefill_token_threshold = {long_prefill_token_threshold}: must be a positive "
+                             f"multiple of block_size ({kv.block_size})")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
 
@@ -72,6 +80,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int, start: int) -> int:
         """Tokens to feed from `start`: all that remain if they fit, else a block-aligned prefix."""
         remaining = seq.num_tokens - start
+        budget = min(budget, self.chunk_cap)
         if remaining <= budget:
             return remaining
         return budget - budget % self.kv.block_size

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import Sequence, SequenceStatus
@@ -209,3 +211,22 @@ def test_outputs_are_identical_with_caching_chunking_and_preemption() -> None:
     squeezed_off, sched = drive(requests, num_blocks=demand // 4 + 1, budget=64, caching=False)
     assert squeezed_off == baseline and sched.kv.stats.preemptions > 0
     assert any(len(set(map(tuple, g))) > 1 for g in baseline), "forks should diverge"
+
+
+def test_long_prefill_token_threshold_caps_each_chunk() -> None:
+    sched = Scheduler(KVCacheManager(256, BS, True), 16, 200, long_prefill_token_threshold=12)
+    decodes = decoding(sched, 2)
+    long = make_seq(list(range(3000, 3050)), "long", arrival=10)
+    sched.add(long)
+    sizes = []
+    while long.num_uncomputed > 0 and not long.output_token_ids:
+        batch = sched.schedule()
+        assert batch is not None and set(decodes) <= set(batch.seqs), "decodes run in every step"
+        sizes.append(batch.num_tokens[batch.seqs.index(long)])
+        run_step(sched, batch)
+    assert sizes == [12, 12, 12, 12, 2]
+
+
+def test_long_prefill_token_threshold_must_be_block_aligned() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold = 10"):
+        Scheduler(KVCacheManager(16, BS, True), 4, 64, long_prefill_token_threshold=10)
