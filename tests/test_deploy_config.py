@@ -63,7 +63,7 @@ def test_cli_flags_override_the_yaml(tmp_path: Path) -> None:
      "server.port = 70000: Input should be less than or equal to 65535"),
     ("model: {artifact: a}\nkv_cache: {num_blocks: 1}\n", "kv_cache.num_blocks = 1"),
     ("model: {artifact: a}\nsampling: {temperature: -1}\n",
-     "sampling.temperature = -1: Value error, must be a number >= 0"),
+     "sampling.temperature = -1: Value error, must be a finite number >= 0"),
     ("model: {artifact: a}\nbuckets: {decode_batch: [4, 1]}\n", "buckets.decode_batch = [4, 1]: Value error, must be"),
     ("model: {artifact: a}\nscheduler: {max_num_seqs: '8'}\n",
      "scheduler.max_num_seqs = '8': Input should be a valid integer"),
