@@ -44,7 +44,7 @@ class ExportOptions(Settings):
     buckets: BucketLadders = BucketLadders()
     verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")
     baseline: Literal["naive"] | None = Field(
-        None, description="also write graphs/naive.onnx, the contiguous-cache baseline `pagedgraph bench` compares with")
+        None, description="also write graphs/naive.onnx: the contiguous-cache baseline of `pagedgraph bench`")
 
     @model_validator(mode="after")
     def _baseline_needs_onnx(self) -> "ExportOptions":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -17,10 +18,12 @@ from exporter.buckets import plan_gears
 from exporter.checkpoint import read_checkpoint
 from exporter.checkpoint.base import Checkpoint
 from exporter.config import ExportConfig
+from exporter.onnx.contiguous import naive_model
 from exporter.onnx.graph_builder import OnnxBuilder
 from exporter.tokenizer_files import write_tokenizer
 from graphs import contract as c
 from graphs import llama
+from graphs.config import ModelConfig
 from graphs.contract import Gear
 from graphs.manifest import MANIFEST, Family, Manifest, file_sha256
 from graphs.mindir import INDEX as MINDIR_INDEX
@@ -28,6 +31,7 @@ from graphs.mindir import WEIGHTS as MINDIR_WEIGHTS
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
+NAIVE_GRAPH = "graphs/naive.onnx"  # export.baseline: naive; reads WEIGHTS, stores none of its own
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None)
     gears = plan_gears(model, options)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; an artifact is meant to be shared
     try:
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
@@ -58,6 +63,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None)
             from exporter.mindspore.export import write_mindir
 
             write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log)
+        if options.baseline == "naive":
+            _write_naive(model, options.block_size, staging)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
@@ -91,6 +98,12 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
     shutil.rmtree(aside)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, out: Path) -> None:
     weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions)
     builder = OnnxBuilder(checkpoint.config, weights)
@@ -102,9 +115,18 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, out
                     location=Path(WEIGHTS).name, size_threshold=0)
 
 
+def _write_naive(model: ModelConfig, block_size: int, out: Path) -> None:
+    paged = onnx.load_model(out / GRAPH, load_external_data=False)
+    onnx.save_model(naive_model(model, paged, block_size), out / NAIVE_GRAPH)
+    onnx.checker.check_model(out / NAIVE_GRAPH, full_check=True)
+
+
 def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
                   clock: Callable[[], float] = time.perf_counter) -> list[GearReport]:
-    """Run every gear once on a tiny pool: proves each static shape the runtime will feed works."""
+    """Run the smallest and largest gear of each family once on a tiny pool.
+
+    Every gear shares one symbolic graph, so its ends prove the shapes the runtime feeds load and run.
+    """
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(artifact / GRAPH), providers=["CPUExecutionProvider"])
@@ -112,36 +134,36 @@ def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
     max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
     pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), np.float32)
     caches = {name: pool for name in c.cache_names(model.num_layers)}
-    total = sum(len(f.gears) for f in manifest.families.values())
+    checks = [(family, gear) for family, spec in manifest.families.items()
+              for gear in sorted({min(spec.gears), max(spec.gears)})]
     reports = []
-    for family, spec in manifest.families.items():
-        for gear in spec.gears:
-            feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
-            feed[c.CU_SEQLENS_Q][1:] = 1  # one real query token, the rest padding
-            feed[c.CONTEXT_LENS][0] = 1
-            start = clock()
-            logits = session.run([c.LOGITS], {**feed, **caches})[0]
-            reports.append(GearReport(family, gear, clock() - start))
-            if logits.shape != (gear.seqs, model.vocab_size) or not np.isfinite(logits[0]).all():
-                raise RuntimeError(f"{family} gear {gear} produced bad logits {logits.shape}")
-            print(f"[{len(reports)}/{total}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
-                  f"ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
+    for family, gear in checks:
+        feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
+        feed[c.CU_SEQLENS_Q][1:] = 1  # one real query token, the rest padding
+        feed[c.CONTEXT_LENS][0] = 1
+        start = clock()
+        logits = session.run([c.LOGITS], {**feed, **caches})[0]
+        reports.append(GearReport(family, gear, clock() - start))
+        if logits.shape != (gear.seqs, model.vocab_size) or not np.isfinite(logits[0]).all():
+            raise RuntimeError(f"{family} gear {gear} produced bad logits {logits.shape}")
+        print(f"[verify {len(reports)}/{len(checks)}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
+              f"ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
     return reports
 
 
 def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: float, log: TextIO) -> None:
+    """One row per bucket: its shapes, the graph it runs (size) and, if verified, how long one run took."""
     size = {rel: (out / rel).stat().st_size for rel in manifest.files}
-    print(f"\n{'family':8} {'gears':>5}  {'T range':>11} {'B range':>9} {'M range':>9}  {'graph':>9}  {'verify':>8}",
-          file=log)
+    timed = {(r.family, r.gear): r.seconds for r in reports}
+    print(f"\n{'bucket':30} {'input_ids':>10} {'block_tables':>13} {'graph':>24} {'verify':>8}", file=log)
     for family, spec in manifest.families.items():
-        g = spec.gears
-        verify = sum(r.seconds for r in reports if r.family == family)
-        print(f"{family:8} {len(g):5}  {_span(x.tokens for x in g):>11} {_span(x.seqs for x in g):>9} "
-              f"{_span(x.blocks for x in g):>9}  {size[spec.graph] / 1e6:7.2f}MB  {verify:7.2f}s", file=log)
-    print(f"weights {(size.get(WEIGHTS) or size[MINDIR_WEIGHTS]) / 1e6:.1f} MB stored once; "
-          f"artifact {out} written in {seconds:.1f}s", file=log)
+        for g in spec.gears:
+            run = timed.get((family, g))
+            print(f"{family + f' T={g.tokens} B={g.seqs} M={g.blocks}':30} {f'[{g.tokens}]':>10} "
+                  f"{f'[{g.seqs},{g.blocks}]':>13} {f'{spec.graph} {size[spec.graph] / 1e6:.2f}MB':>24} "
+                  f"{f'{run:.2f}s' if run is not None else '-':>8}", file=log)
+    print(f"weights {(size.get(WEIGHTS) or size[MINDIR_WEIGHTS]) / 1e6:.1f} MB stored once for all "
+          f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s",
+          file=log)
 
 
-def _span(values: Iterable[int]) -> str:
-    v = sorted(set(values))
-    return f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0])

@@ -1,4 +1,4 @@
-"""`pagedgraph export | generate | serve | atc-plan`: the only module that imports both the exporter and the runtime."""
+"""`pagedgraph export | generate | serve | atc-plan | bench`: the only module importing both exporter and runtime."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def _export(args: argparse.Namespace) -> int:
 
     formats = args.formats.split(",") if args.formats else None
     config = load_yaml(ExportConfig, args.config, {"model.source": args.model, "export.formats": formats,
-                                                   "export.target": args.target})
+                                                   "export.target": args.target, "export.baseline": args.baseline})
     export(config, args.out)
     return 0
 
@@ -116,6 +116,26 @@ def _atc_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from runtime.bench.report import markdown_table, plot, text_table
+    from runtime.bench.suite import BenchOptions, run_bench
+
+    options = BenchOptions(artifact=args.artifact, workload=args.workload, requests=args.requests, rate=args.rate,
+                           seed=args.seed, baseline=None if args.baseline == "none" else args.baseline,
+                           naive_batch=args.naive_batch, threads=args.threads, micro=not args.no_micro)
+    results = run_bench(options)
+    print(text_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown_table(results))
+    if args.plot:
+        plot(results, Path(args.plot))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="override model.source: a .gguf file or an HF directory")
     p.add_argument("--format", dest="formats", help="override export.formats: onnx, mindir or onnx,mindir")
     p.add_argument("--target", choices=["cpu", "ascend"], help="override export.target (the MINDIR target)")
+    p.add_argument("--baseline", choices=["naive"], help="override export.baseline: also write graphs/naive.onnx")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("generate", help="generate from an artifact with the paged, packed runtime")
@@ -161,6 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY)")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="measure the paged engine on a workload against the naive baseline")
+    p.add_argument("--artifact", required=True, help="exported with export.baseline: naive for the baseline")
+    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix"], default="mixed")
+    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32)")
+    p.add_argument("--rate", type=float, default=2.0, help="poisson arrival rate, requests/s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", choices=["naive", "none"], default="naive",
+                   help="run the naive static-batch, contiguous-cache baseline in the same invocation")
+    p.add_argument("--naive-batch", type=int, dest="naive_batch", default=16, help="static batch size of the baseline")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--no-micro", action="store_true", dest="no_micro",
+                   help="skip decode step time vs context and decode tok/s vs concurrency")
+    p.add_argument("--json", help="write the figures as JSON here")
+    p.add_argument("--markdown", help="write the table as markdown here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install -e .[bench])")
+    p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     try:

@@ -13,6 +13,7 @@ TEST_EXPORT = {
         "max_model_len": 1280,
         "buckets": {"decode_batch": [1, 4, 16], "prefill_tokens": [64, 256, 1024], "prefill_max_seqs": 16},
         "verify_gears": False,
+        "baseline": "naive",  # graphs/naive.onnx for tests/test_bench.py (shares weights.bin, adds ~2 s)
     }
 }
 

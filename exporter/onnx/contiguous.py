@@ -1,0 +1,125 @@
+"""The naive baseline: the same model definition lowered to a classic contiguous, max-length KV cache.
+
+This is what a paged, packed engine is measured against (`pagedgraph bench --baseline naive`):
+static batches of B requests, each padded to the batch's S = T / B tokens, every request
+owning a whole [kv_heads, max_len, head_dim] cache row per layer (HF's static-cache layout),
+attention masked over the full max_len. Same ONNX ops and kernels as the paged graph; only
+the cache layout and the attention's extent differ.
+
+Naive graph contract (`graphs/naive.onnx`, weights shared with the paged graph's weights.bin):
+  input_ids, positions, slot_mapping  int64 [B*S]   row b's tokens at b*S..b*S+S-1; slot = b*max_len + position
+  context_lens                        int32 [B]     tokens in row b's cache after this step's write
+  logits_indices                      int64 [B]     packed row of each request's last real token
+  k_cache_<l>, v_cache_<l>            float [B, kv_heads, max_len, head_dim], outputs alias inputs
+Query s of row b sees cache positions 0 .. context_lens[b] - S + s (right padding, causal).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from exporter.onnx.functions import NEG_INF
+from exporter.onnx.graph_builder import OnnxBuilder
+from exporter.onnx.nodes import Nodes
+from graphs import contract as c
+from graphs import llama
+from graphs.config import ModelConfig
+
+
+class ContiguousBuilder(OnnxBuilder):
+    """OnnxBuilder whose cache write and attention use a [B, KV, max_len, D] cache per layer.
+
+    `external` maps weight names to initializers that reference the paged graph's weight file,
+    so the baseline stores no weights of its own.
+    """
+
+    def __init__(self, config: ModelConfig, external: dict[str, onnx.TensorProto]) -> None:
+        super().__init__(config, {name: np.zeros(0, np.float32) for name in external})
+        self.external = external
+        self._shared: dict[str, str] = {}  # per-step tensors every layer reuses (indices, mask)
+        self._pool_dims = ["B", config.num_kv_heads, "max_len", config.head_dim]
+
+    def input(self, name: str) -> str:
+        if name in c.INPUT_DTYPES:
+            return super().input(name)
+        self.inputs.setdefault(name, helper.make_tensor_value_info(name, TensorProto.FLOAT, self._pool_dims))
+        return name
+
+    def output(self, name: str, value: str) -> None:
+        super().output(name, value)
+        if name != c.LOGITS:
+            self.outputs[-1] = helper.make_tensor_value_info(name, TensorProto.FLOAT, self._pool_dims)
+
+    def _once(self, key: str, make: Callable[[Nodes], str]) -> str:
+        if key not in self._shared:
+            self._shared[key] = make(self.n)
+        return self._shared[key]
+
+    def _scatter_indices(self, slot_mapping: str, pool: str) -> str:
+        """[T, KV, 3] = (row, kv head, position) of every token's K/V."""
+        def make(n: Nodes) -> str:
+            max_len, kv = n.shape_dim(pool, 2), self.config.num_kv_heads
+            shape = n.op("Concat", n.shape_dim(slot_mapping, 0), n.const([kv, 1]), axis=0)
+            per_token = lambda x: n.op("Expand", n.op("Reshape", x, n.const([-1, 1, 1])), shape)  # noqa: E731
+            heads = n.op("Expand", n.const(np.arange(kv).reshape(1, kv, 1)), shape)
+            return n.op("Concat", per_token(n.op("Div", slot_mapping, max_len)), heads,
+                        per_token(n.op("Mod", slot_mapping, max_len)), axis=-1)
+        return self._once("indices", make)
+
+    def reshape_and_cache(self, key: str, value: str, k_cache: str, v_cache: str, slot_mapping: str) -> tuple[str, str]:
+        # The pool input feeds ScatterND directly and ScatterND's output is the graph output: in place.
+        index = self._scatter_indices(slot_mapping, k_cache)
+        rows = self.n.const([0, self.config.num_kv_heads, self.config.head_dim])
+        return (self.n.op("ScatterND", k_cache, index, self.n.op("Reshape", key, rows)),
+                self.n.op("ScatterND", v_cache, index, self.n.op("Reshape", value, rows)))
+
+    def _mask(self, context_lens: str, pool: str) -> str:
+        """[B, 1, S*G, max_len]: query s (repeated for the G heads of a kv head) sees positions <= first + s."""
+        def make(n: Nodes) -> str:
+            group = self.config.num_heads // self.config.num_kv_heads
+            seqs = n.shape_dim(context_lens, 0)
+            per_row = n.op("Div", n.shape_dim(c.INPUT_IDS, 0), seqs)
+            s_range = n.op("Range", n.const(0), n.op("Squeeze", per_row), n.const(1))
+            first = n.op("Sub", n.cast(context_lens), per_row)
+            limit = n.op("Add", n.unsqueeze(first, [1]), n.unsqueeze(s_range, [0]))  # [B, S]
+            positions = n.op("Range", n.const(0), n.op("Squeeze", n.shape_dim(pool, 2)), n.const(1))
+            visible = n.op("LessOrEqual", n.unsqueeze(positions, [0, 1]), n.unsqueeze(limit, [2]))  # [B, S, L]
+            visible = n.op("Expand", n.unsqueeze(visible, [2]), n.const([1, 1, group, 1]))
+            return n.op("Reshape", visible, n.op("Concat", seqs, n.const([1, -1]), n.shape_dim(pool, 2), axis=0))
+        return self._once("mask", make)
+
+    def paged_attention(self, query: str, k_cache: str, v_cache: str, block_tables: str, context_lens: str,
+                        cu_seqlens_q: str | None, *, head_num: int, kv_head_num: int, qk_scale: float,
+                        block_size: int) -> str:
+        n, dim, group = self.n, self.config.head_dim, head_num // kv_head_num
+        seqs = n.shape_dim(context_lens, 0)
+        q = n.op("Reshape", query, n.op("Concat", seqs, n.const([-1, kv_head_num, group, dim]), axis=0))
+        q = n.op("Reshape", n.op("Transpose", q, perm=[0, 2, 1, 3, 4]), n.const([0, 0, -1, dim]))  # [B, KV, S*G, D]
+        q = n.op("Mul", q, n.const(qk_scale, dtype=np.float32))
+        scores = n.op("MatMul", q, n.op("Transpose", k_cache, perm=[0, 1, 3, 2]))  # ORT fuses the transpose away
+        scores = n.op("Where", self._mask(context_lens, k_cache), scores, n.const(NEG_INF, dtype=np.float32))
+        out = n.op("MatMul", n.op("Softmax", scores, axis=-1), v_cache)  # [B, KV, S*G, D]
+        out = n.op("Reshape", out, n.op("Concat", seqs, n.const([kv_head_num, -1, group, dim]), axis=0))
+        return n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), n.const([-1, head_num * dim]))
+
+    def model(self, name: str) -> onnx.ModelProto:
+        model = super().model(name)
+        graph = model.graph
+        del graph.initializer[:]
+        graph.initializer.extend(self.external[w] for w in self.used_weights)
+        used = {i for node in graph.node for i in node.input}
+        unused = [i for i in graph.input if i.name not in used]  # block_tables, cu_seqlens_q: no blocks here
+        for info in unused:
+            graph.input.remove(info)
+        return model
+
+
+def naive_model(config: ModelConfig, paged: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
+    """Lower `graphs/llama.build` for a contiguous cache; `paged` is the paged graph loaded without its weights."""
+    external = {t.name: t for t in paged.graph.initializer}
+    builder = ContiguousBuilder(config, external)
+    llama.build(builder, config, block_size)
+    return builder.model("pagedgraph-naive")

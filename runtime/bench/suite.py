@@ -1,0 +1,141 @@
+"""One benchmark invocation: the workload on the paged engine, its comparison runs, and the fixed experiments.
+
+Every comparison (the naive baseline, prefix caching off, the naive decode figures) runs in the
+same process, right after the paged engine, so ratios hold on a shared, noisy machine.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.bench import micro, workloads
+from runtime.bench.metrics import RunRecord, peak_rss_bytes
+from runtime.bench.naive import NaiveRunner
+from runtime.bench.runner import run_engine, warm_up
+from runtime.bench.workloads import BenchRequest
+from runtime.engine import EngineConfig, LLMEngine
+
+DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    artifact: str
+    workload: str = "mixed"
+    requests: int | None = None  # default: DEFAULT_REQUESTS[workload]
+    rate: float = 2.0  # requests/s, poisson only
+    seed: int = 0
+    prompt_range: tuple[int, int] = (8, 1024)  # mixed/poisson prompt lengths (log-uniform)
+    output_range: tuple[int, int] = (16, 256)  # mixed/poisson output lengths (uniform)
+    prefix_words: int | None = None  # shared-prefix system prompt length; default: the workload's (~1,000 tokens)
+    baseline: str | None = "naive"
+    naive_batch: int = 16
+    threads: int | None = None
+    micro: bool = True
+    contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...
+    decode_batch: int = 16  # ... with this many sequences
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)  # decode tok/s with this many requests at once
+    concurrency_prompt: int = 32
+    concurrency_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.workload not in workloads.WORKLOADS:
+            raise ValueError(f"--workload {self.workload!r}: choose one of {', '.join(workloads.WORKLOADS)}")
+        if self.baseline not in (None, "naive"):
+            raise ValueError(f"--baseline {self.baseline!r}: choose naive or none")
+
+
+def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
+    count = options.requests or DEFAULT_REQUESTS[options.workload]
+    if options.workload == "shared-prefix":
+        return workloads.shared_prefix(engine.prompt_token_ids, count, options.prefix_words, options.seed)
+    requests = workloads.mixed(engine.model.vocab_size, count, options.prompt_range, options.output_range, options.seed)
+    return workloads.poisson(requests, options.rate, options.seed) if options.workload == "poisson" else requests
+
+
+def _engine(options: BenchOptions, **config: Any) -> LLMEngine:
+    engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, **config))
+    warm_up(engine)
+    return engine
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "onnxruntime": ort.__version__, "numpy": np.__version__,
+            "load_avg_1m_at_start": os.getloadavg()[0]}
+
+
+def _measure_paged(options: BenchOptions, log: TextIO) -> tuple[RunRecord, list[BenchRequest], LLMEngine]:
+    """The first engine of the process, so the process's peak RSS afterwards is the engine's."""
+    engine = _engine(options)
+    requests = _requests(options, engine)
+    workloads.check_fits(requests, engine.max_model_len, options.workload)
+    print(f"paged engine: {len(requests)} {options.workload} requests ...", file=log)
+    record = run_engine(engine, requests)
+    record.peak_rss_bytes = peak_rss_bytes()
+    weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
+    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.executor.pool_bytes,
+                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.executor.pool_bytes))
+    return record, requests, engine
+
+
+def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run everything `options` asks for; returns the JSON-ready results (see docs/performance.md for the keys)."""
+    results: dict[str, Any] = {"workload": options.workload, "options": asdict(options), "machine": _machine()}
+    paged, requests, engine = _measure_paged(options, log)
+    vocab_size = engine.model.vocab_size
+    results.update(paged.figures())
+    del engine
+    gc.collect()
+    if options.workload == "shared-prefix":
+        print("paged engine, prefix caching off ...", file=log)
+        off = run_engine(_engine(options, enable_prefix_caching=False), requests).figures()
+        results.update(ttft_p50_s_cache_off=off["ttft_p50_s"], total_s_cache_off=off["total_s"], cache_off=off,
+                       ttft_p50_speedup_prefix_cache=off["ttft_p50_s"] / results["ttft_p50_s"])
+        gc.collect()
+    naive = NaiveRunner(options.artifact, options.naive_batch, options.threads) if options.baseline else None
+    if naive is not None:
+        naive.run(micro.random_requests(vocab_size, 1, 8, 2, options.seed))  # warm-up, as for the engine
+        print(f"naive baseline: static batches of {options.naive_batch} ...", file=log)
+        figures = naive.run(requests).figures()
+        figures.update(kv_cache_bytes=naive.kv_cache_bytes, peak_rss_bytes=None)
+        results.update(naive=figures, naive_throughput_tok_s=figures["throughput_tok_s"],
+                       speedup_vs_naive=results["throughput_tok_s"] / figures["throughput_tok_s"],
+                       cpu_speedup_vs_naive=figures["cpu_s"] / results["cpu_s"])
+    if options.micro:
+        results.update(_micro(options, naive, vocab_size, log))
+    results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    return results
+
+
+def _micro(options: BenchOptions, naive: NaiveRunner | None, vocab_size: int, log: TextIO) -> dict[str, Any]:
+    print(f"decode step time at {options.contexts} tokens of context, decode tok/s at {options.concurrency} "
+          f"concurrent requests ...", file=log)
+    engine = _engine(options)
+    batch, short, long = options.decode_batch, min(options.contexts), max(options.contexts)
+    out: dict[str, Any] = {
+        "decode_step_s": {str(ctx): micro.engine_decode_step_s(engine, [ctx] * batch, seed=options.seed)
+                          for ctx in options.contexts},
+        # All but one sequence short: a step that follows each sequence's context costs about the short one's.
+        "decode_step_s_one_long": micro.engine_decode_step_s(engine, [short] * (batch - 1) + [long], seed=options.seed),
+        "decode_tok_s": micro.engine_concurrency(engine, options.concurrency, options.concurrency_prompt,
+                                                 options.concurrency_tokens, options.seed),
+    }
+    del engine
+    gc.collect()
+    if naive is not None:
+        out["naive_decode_step_s"] = {str(ctx): naive.decode_step_s(ctx, min(options.decode_batch, naive.batch_size))
+                                      for ctx in options.contexts}
+        out["naive_decode_tok_s"] = {
+            str(n): micro.decode_tok_s(naive.run(micro.random_requests(
+                vocab_size, n, options.concurrency_prompt, options.concurrency_tokens, options.seed)))
+            for n in options.concurrency}
+    return out

@@ -1,0 +1,85 @@
+"""`pagedgraph bench` on the real model with tiny workloads: keys and sane figures, never timings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from graphs.manifest import ArtifactError
+from runtime.bench import workloads
+from runtime.bench.naive import NAIVE_GRAPH, NaiveRunner
+from runtime.bench.report import markdown_table, text_table
+from runtime.bench.runner import run_engine
+from runtime.bench.suite import BenchOptions, run_bench
+from runtime.engine import LLMEngine
+
+REQUIRED = {"throughput_tok_s", "naive_throughput_tok_s", "speedup_vs_naive", "kv_utilization", "padding_waste",
+            "host_overhead_share", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes",
+            "output_tok_s", "total_tok_s", "bucket_hits", "decode_step_s", "decode_tok_s"}
+TINY = dict(requests=5, prompt_range=(8, 80), output_range=(2, 6), naive_batch=4, contexts=(16, 48), decode_batch=4,
+            concurrency=(1, 2), concurrency_prompt=8, concurrency_tokens=4)
+
+
+def test_mixed_is_reproducible_and_in_range() -> None:
+    first = workloads.mixed(49152, 64, seed=3)
+    assert first == workloads.mixed(49152, 64, seed=3)
+    prompts = [len(r.prompt_token_ids) for r in first]
+    assert min(prompts) >= 8 and max(prompts) <= 1024 and np.median(prompts) < 300  # log-uniform: mostly short
+    assert all(16 <= r.max_tokens <= 256 and r.arrival_s == 0 for r in first)
+    arrivals = [r.arrival_s for r in workloads.poisson(first, rate=4.0)]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and 8 < arrivals[-1] < 32  # 63 gaps of mean 0.25 s
+
+
+def test_mixed_needs_a_long_enough_artifact() -> None:
+    with pytest.raises(ValueError, match=r"max_model_len is 1024; re-export with export.max_model_len >= \d+"):
+        workloads.check_fits(workloads.mixed(49152, 64), 1024, "mixed")
+
+
+def test_poisson_bench_against_naive(smollm2_artifact: Path) -> None:
+    results = run_bench(BenchOptions(str(smollm2_artifact), workload="poisson", rate=50.0, **TINY))
+    assert REQUIRED <= results.keys()
+    json.dumps(results)  # JSON-ready as it is
+    naive = results["naive"]
+    for figures in (results, naive):
+        assert figures["requests"] == 5 and figures["output_tokens"] > 0 and figures["throughput_tok_s"] > 0
+        assert 0 < figures["kv_utilization"] <= 1
+        assert figures["padding_waste"] >= 0 and 0 <= figures["host_overhead_share"] < 1
+        assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"] and 0 < figures["itl_p50_s"] <= figures["itl_p99_s"]
+        assert sum(figures["bucket_hits"].values()) == figures["steps"]
+    assert results["speedup_vs_naive"] == pytest.approx(results["throughput_tok_s"] / results["naive_throughput_tok_s"])
+    assert naive["kv_utilization"] < results["kv_utilization"]  # 5 short requests in 4 x 1280-slot rows
+    assert results["peak_rss_bytes"] > results["weights_bytes"]
+    assert set(results["decode_step_s"]) == set(results["naive_decode_step_s"]) == {"16", "48"}
+    assert results["decode_step_s_one_long"] > 0
+    assert set(results["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in results["naive_decode_tok_s"].values())
+    assert "| padding waste |" in markdown_table(results) and "paged/naive" in text_table(results)
+
+
+def test_shared_prefix_compares_cache_on_and_off(smollm2_artifact: Path) -> None:
+    options = BenchOptions(str(smollm2_artifact), workload="shared-prefix", requests=3, prefix_words=120,
+                           baseline=None, micro=False)
+    results = run_bench(options)
+    for key in ("ttft_p50_s", "ttft_p50_s_cache_off", "total_s", "total_s_cache_off"):
+        assert results[key] > 0
+    assert results["prefix_hit_rate"] > 0.3 and results["cache_off"]["prefix_hit_rate"] == 0
+    assert "naive" not in results and "decode_step_s" not in results
+
+
+def test_naive_baseline_generates_what_the_engine_generates(smollm2_artifact: Path) -> None:
+    """The contiguous-cache lowering of the same model: greedy tokens equal the paged engine's."""
+    engine = LLMEngine(smollm2_artifact)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+    requests = [workloads.BenchRequest(engine.tokenizer.encode(p), 8) for p in prompts]
+    paged = run_engine(engine, requests).outputs
+    naive = NaiveRunner(smollm2_artifact, batch_size=2).run(requests).outputs  # two static batches, padded
+    assert [naive[i] for i in range(3)] == [paged[f"bench-{i}"] for i in range(3)]
+
+
+def test_naive_needs_the_baseline_graph(smollm2_artifact: Path, tmp_path: Path) -> None:
+    manifest = json.loads((smollm2_artifact / "manifest.json").read_text())
+    del manifest["files"][NAIVE_GRAPH]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="export.baseline: naive"):
+        NaiveRunner(tmp_path)
