@@ -213,7 +213,7 @@ def test_cancelled_streams_free_their_blocks_and_overload_gets_429(client: opena
     assert idle["pagedgraph_kv_blocks_free"] == idle["pagedgraph_kv_blocks_total"]
     assert 'reason="abort"' in str(idle["raw"])
     still = client.completions.create(model=MODEL, prompt="still serving?", max_tokens=2, temperature=0)
-    assert still.usage.completion_tokens == 2
+    assert still.choices[0].finish_reason in ("stop", "length") and still.usage.completion_tokens >= 1
 
 
 def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(server: ServerThread) -> None:
