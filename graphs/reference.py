@@ -1,7 +1,7 @@
 """Evaluates a model definition eagerly with the numpy op references (the lowerings' oracle)."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -41,17 +41,21 @@ class NumpyBuilder(OpBuilder[np.ndarray]):
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, epsilon: float) -> np.ndarray:
         return ops.rms_norm(x, weight, epsilon)
 
-    def rope(self, query, key, cos, sin, head_dim):  # type: ignore[no-untyped-def]
+    def rope(self, query: np.ndarray, key: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+             head_dim: int) -> tuple[np.ndarray, np.ndarray]:
         return ops.rope(query, cos, sin, head_dim), ops.rope(key, cos, sin, head_dim)
 
     def swiglu(self, x: np.ndarray) -> np.ndarray:
         return ops.swiglu(x)
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
+    def reshape_and_cache(self, key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                          slot_mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def paged_attention(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attrs):  # type: ignore[no-untyped-def]
+    def paged_attention(self, query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                        context_lens: np.ndarray, cu_seqlens_q: np.ndarray | None, **attrs: Any) -> np.ndarray:
         return ops.paged_attention(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attrs)
 
-    def self_attention(self, query, key, value, cu_seqlens_q, **attrs):  # type: ignore[no-untyped-def]
+    def self_attention(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seqlens_q: np.ndarray,
+                       **attrs: Any) -> np.ndarray:
         return ops.self_attention(query, key, value, cu_seqlens_q, **attrs)
