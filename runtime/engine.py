@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 
-from graphs.contract import Gear
+from graphs.contract import DECODE, PREFILL, Gear
 from graphs.manifest import Manifest
 from runtime.block_pool import CacheStats
 from runtime.executors import make_executor
@@ -109,8 +109,8 @@ class LLMEngine:
 
     def _fit_limits(self, config: EngineConfig) -> tuple[int, int]:
         """Clamp the scheduler limits to what the exported gears can hold, so every step has a bucket."""
-        prefill = self.packer.gears["prefill"]
-        decode = self.packer.gears["decode"]
+        prefill = self.packer.gears[PREFILL]
+        decode = self.packer.gears[DECODE]
         max_tokens = max(g.tokens for g in prefill)
         max_seqs = min(max(g.seqs for g in decode), max(g.seqs for g in prefill))
         return min(config.max_num_seqs, max_seqs), min(config.max_num_batched_tokens, max_tokens)

@@ -18,8 +18,9 @@ from tests.kv_sim import Shadow, check_invariants, make_seq
 BS = 4
 
 
-def build(num_blocks: int, budget: int, max_seqs: int = 16, caching: bool = True) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BS, caching), max_seqs, budget)
+def build(num_blocks: int, budget: int, max_seqs: int = 16, caching: bool = True,
+          chunk_cap: int | None = None) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS, caching), max_seqs, budget, chunk_cap)
 
 
 def run_step(sched: Scheduler, batch: ScheduledBatch) -> None:
@@ -214,7 +215,7 @@ def test_outputs_are_identical_with_caching_chunking_and_preemption() -> None:
 
 
 def test_long_prefill_token_threshold_caps_each_chunk() -> None:
-    sched = Scheduler(KVCacheManager(256, BS, True), 16, 200, long_prefill_token_threshold=12)
+    sched = build(256, budget=200, chunk_cap=12)
     decodes = decoding(sched, 2)
     long = make_seq(list(range(3000, 3050)), "long", arrival=10)
     sched.add(long)
@@ -229,4 +230,4 @@ def test_long_prefill_token_threshold_caps_each_chunk() -> None:
 
 def test_long_prefill_token_threshold_must_be_block_aligned() -> None:
     with pytest.raises(ValueError, match="long_prefill_token_threshold = 10"):
-        Scheduler(KVCacheManager(16, BS, True), 4, 64, long_prefill_token_threshold=10)
+        build(16, budget=64, chunk_cap=10)

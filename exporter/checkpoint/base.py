@@ -39,3 +39,33 @@ class Checkpoint:
     tensors: Mapping[str, np.ndarray]
     tokenizer: TokenizerSpec
     source: str
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor this config implies, with its [out, in] shape."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (c.hidden_size,),
+            f"{p}.self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+            f"{p}.self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+            f"{p}.self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+            f"{p}.self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+            f"{p}.post_attention_layernorm.weight": (c.hidden_size,),
+            f"{p}.mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{p}.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{p}.mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            shapes |= {
+                f"{p}.self_attn.q_proj.bias": (c.q_size,),
+                f"{p}.self_attn.k_proj.bias": (c.kv_size,),
+                f"{p}.self_attn.v_proj.bias": (c.kv_size,),
+            }
+    return shapes

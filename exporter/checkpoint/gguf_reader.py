@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError
+from exporter.checkpoint.base import Checkpoint, CheckpointError, expected_shapes
 from exporter.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_spec
 from graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -80,7 +80,7 @@ def read_gguf(path: str | Path) -> Checkpoint:
     config = _model_config(reader, metadata, infos, path)
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
-    expected = _expected_shapes(config)
+    expected = expected_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     for name, info in infos.items():
         hf_name = _hf_name(name, path)
@@ -167,34 +167,6 @@ def _model_config(
         )
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
-
-
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> [out, in] shape of every tensor the config implies."""
-    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if config.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (config.q_size,),
-                p + "self_attn.k_proj.bias": (config.kv_size,),
-                p + "self_attn.v_proj.bias": (config.kv_size,),
-            }
-    return shapes
 
 
 def _hf_name(name: str, path: Path) -> str:

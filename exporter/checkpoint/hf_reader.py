@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec
+from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec, expected_shapes
 from graphs.config import ModelConfig, RopeScaling
 
 HF_ARCHITECTURES: dict[str, str] = {
@@ -271,36 +271,6 @@ def _read_tokenizer(root: Path, hf: dict[str, Any]) -> TokenizerSpec:
 # --- tensors --------------------------------------------------------------------------------
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor this config implies, with its [out, in] shape."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes[_LM_HEAD] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (c.hidden_size,),
-            f"{p}.self_attn.q_proj.weight": (c.q_size, c.hidden_size),
-            f"{p}.self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
-            f"{p}.self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
-            f"{p}.self_attn.o_proj.weight": (c.hidden_size, c.q_size),
-            f"{p}.post_attention_layernorm.weight": (c.hidden_size,),
-            f"{p}.mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{p}.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{p}.mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        }
-        if c.attention_bias:
-            shapes |= {
-                f"{p}.self_attn.q_proj.bias": (c.q_size,),
-                f"{p}.self_attn.k_proj.bias": (c.kv_size,),
-                f"{p}.self_attn.v_proj.bias": (c.kv_size,),
-            }
-    return shapes
-
-
 def _weight_files(root: Path) -> list[Path]:
     index_path = root / _INDEX_FILE
     if index_path.is_file():
@@ -353,7 +323,7 @@ def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
 
 def _read_tensors(root: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     """Validate names, shapes and dtypes of every file first, then load: fail before reading GBs."""
-    expected = _expected_shapes(config)
+    expected = expected_shapes(config)
     plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
     unexpected: list[str] = []
     for path in _weight_files(root):
