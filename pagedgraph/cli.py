@@ -118,11 +118,14 @@ def _atc_plan(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from runtime.bench.report import markdown_table, plot, text_table
-    from runtime.bench.suite import BenchOptions, run_bench
+    from runtime.bench.suite import NO_BASELINE, BenchOptions, run_bench
 
+    self_compared = args.workload in NO_BASELINE
+    baseline = args.baseline or ("none" if self_compared else "naive")
     options = BenchOptions(artifact=args.artifact, workload=args.workload, requests=args.requests, rate=args.rate,
-                           seed=args.seed, baseline=None if args.baseline == "none" else args.baseline,
-                           naive_batch=args.naive_batch, threads=args.threads, micro=not args.no_micro)
+                           seed=args.seed, baseline=None if baseline == "none" else baseline,
+                           naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
+                           chunk_tokens=args.chunk_tokens, micro=not (args.no_micro or self_compared))
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -185,16 +188,23 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="measure the paged engine on a workload against the naive baseline")
     p.add_argument("--artifact", required=True, help="exported with export.baseline: naive for the baseline")
-    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix"], default="mixed")
-    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32)")
+    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress"], default="mixed",
+                   help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
+                        "off (needs a 4,096-token artifact: configs/smollm2-long.yaml)")
+    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17)")
     p.add_argument("--rate", type=float, default=2.0, help="poisson arrival rate, requests/s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--baseline", choices=["naive", "none"], default="naive",
-                   help="run the naive static-batch, contiguous-cache baseline in the same invocation")
+    p.add_argument("--baseline", choices=["naive", "none"],
+                   help="run the naive static-batch, contiguous-cache baseline in the same invocation "
+                        "(default: naive; none for stress)")
     p.add_argument("--naive-batch", type=int, dest="naive_batch", default=16, help="static batch size of the baseline")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
+                   help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
+    p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=48,
+                   help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",
-                   help="skip decode step time vs context and decode tok/s vs concurrency")
+                   help="skip decode step time vs context and decode tok/s vs concurrency (always skipped for stress)")
     p.add_argument("--json", help="write the figures as JSON here")
     p.add_argument("--markdown", help="write the table as markdown here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install -e .[bench])")

@@ -58,6 +58,8 @@ class SchedulerSection(Settings):
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens; default: the artifact's")
     long_prefill_token_threshold: int | None = Field(
         None, ge=16, description="cap on one prompt's chunk per step, a multiple of block_size (shorter decode stalls)")
+    enable_chunked_prefill: bool = Field(
+        True, description="false: each prompt runs whole in one step (needs max_num_batched_tokens >= max_model_len)")
 
 
 class SamplingDefaults(Settings):
@@ -163,6 +165,6 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
     return EngineConfig(num_blocks=kv.num_blocks, kv_cache_bytes=kv.kv_cache_bytes, max_num_seqs=scheduler.max_num_seqs,
                         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,
                         long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
-                        threads=deployment.executor.threads, gears=gears,
+                        enable_chunked_prefill=scheduler.enable_chunked_prefill, threads=deployment.executor.threads, gears=gears,
                         enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
                         executor=deployment.executor.name)

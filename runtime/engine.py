@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
     long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
+    enable_chunked_prefill: bool = True  # false: every prompt in one step (needs max_num_batched_tokens >= max_model_len)
     executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
 
 
@@ -97,10 +98,15 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.packer = Packer(self.manifest)
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"enable_chunked_prefill = false needs max_num_batched_tokens >= max_model_len, but "
+                             f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
+                             f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
+                             f"enable chunked prefill")
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, config.enable_chunked_prefill)
         self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads)
         self.stats = EngineStats(cache=self.kv.stats)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}

@@ -39,9 +39,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None) -> None:
+                 long_prefill_token_threshold: int | None = None, enable_chunked_prefill: bool = True) -> None:
         """`long_prefill_token_threshold` caps one sequence's chunk per step (a multiple of block_size):
-        smaller chunks keep the steps that carry a long prompt short for the decodes beside it."""
+        smaller chunks keep the steps that carry a long prompt short for the decodes beside it.
+        `enable_chunked_prefill=False` feeds every prompt whole in one step (the caller keeps each
+        sequence within `max_num_batched_tokens`), as engines without chunked prefill do."""
+        if not enable_chunked_prefill and long_prefill_token_threshold is not None:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill: set enable_chunked_prefill "
+                             "to true, or drop long_prefill_token_threshold")
         if long_prefill_token_threshold is not None and (
                 long_prefill_token_threshold < kv.block_size or long_prefill_token_threshold % kv.block_size):
             raise ValueError(f"long_prefill_token_threshold = {long_prefill_token_threshold}: must be a positive "
@@ -50,6 +55,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
 
@@ -78,12 +84,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _chunk(self, seq: Sequence, budget: int, start: int) -> int:
-        """Tokens to feed from `start`: all that remain if they fit, else a block-aligned prefix."""
+        """Tokens to feed from `start`: all that remain if they fit, else a block-aligned prefix (or,
+        without chunked prefill, none: the sequence waits for a step with room for all of it)."""
         remaining = seq.num_tokens - start
         budget = min(budget, self.chunk_cap)
         if remaining <= budget:
             return remaining
-        return budget - budget % self.kv.block_size
+        return budget - budget % self.kv.block_size if self.chunked_prefill else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

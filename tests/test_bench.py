@@ -83,3 +83,24 @@ def test_naive_needs_the_baseline_graph(smollm2_artifact: Path, tmp_path: Path) 
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="export.baseline: naive"):
         NaiveRunner(tmp_path)
+
+
+def test_stress_compares_chunked_prefill_on_and_off(smollm2_artifact: Path) -> None:
+    shape = workloads.StressShape(decoder_prompt=16, decoder_tokens=24, long_prompt=600, long_tokens=3,
+                                  long_arrival_s=0.3)
+    results = run_bench(BenchOptions(str(smollm2_artifact), workload="stress", requests=4, chunk_tokens=48,
+                                     stress=shape, baseline=None, micro=False))
+    json.dumps(results)
+    for suffix in ("", "_chunking_off"):
+        assert 0 < results["itl_p50_s" + suffix] <= results["itl_p99_s" + suffix] <= results["itl_max_s" + suffix]
+        assert results["long_prompt_ttft_s" + suffix] > 0 and results["total_s" + suffix] > 0
+    assert results["requests"] == 4 and results["output_tokens"] == 3 * 24 + 3
+    chunk_steps = sum(n for gear, n in results["bucket_hits"].items() if gear.startswith("prefill:T64x"))
+    assert chunk_steps >= 600 // 48, "the long prompt is fed in chunks of 48 tokens beside the decodes"
+    assert any(gear.startswith("prefill:T1024x") for gear in results["chunking_off"]["bucket_hits"]), \
+        "with chunking off the long prompt runs whole"
+
+
+def test_stress_has_no_naive_baseline() -> None:
+    with pytest.raises(ValueError, match="--baseline none --no-micro"):
+        BenchOptions("unused", workload="stress")

@@ -19,8 +19,8 @@ BS = 4
 
 
 def build(num_blocks: int, budget: int, max_seqs: int = 16, caching: bool = True,
-          chunk_cap: int | None = None) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BS, caching), max_seqs, budget, chunk_cap)
+          chunk_cap: int | None = None, chunked: bool = True) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS, caching), max_seqs, budget, chunk_cap, chunked)
 
 
 def run_step(sched: Scheduler, batch: ScheduledBatch) -> None:
@@ -226,6 +226,28 @@ def test_long_prefill_token_threshold_caps_each_chunk() -> None:
         sizes.append(batch.num_tokens[batch.seqs.index(long)])
         run_step(sched, batch)
     assert sizes == [12, 12, 12, 12, 2]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole() -> None:
+    sched = build(256, budget=56, chunked=False)
+    decodes = decoding(sched, 4)
+    long = make_seq(list(range(3000, 3050)), "long", arrival=10)
+    short = make_seq(list(range(4000, 4003)), "short", arrival=11)
+    sched.add(long)
+    sched.add(short)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs[0] is long and batch.num_tokens[0] == 50
+    assert short not in batch.seqs, "FCFS: the next prompt does not jump the budget's remainder"
+    run_step(sched, batch)
+    sched.add(make_seq(list(range(5000, 5060)), "too-long-for-now", arrival=12))
+    batch = sched.schedule()
+    assert batch is not None and "too-long-for-now" not in [s.request_id for s in batch.seqs]
+    assert batch.seqs[0] is short and batch.num_tokens[0] == 3 and set(decodes) < set(batch.seqs)
+
+
+def test_chunk_cap_needs_chunked_prefill() -> None:
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        build(16, budget=64, chunk_cap=16, chunked=False)
 
 
 def test_long_prefill_token_threshold_must_be_block_aligned() -> None:

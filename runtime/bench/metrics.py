@@ -5,7 +5,7 @@ import os
 import resource
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -30,11 +30,17 @@ class Timeline:
     def tokens(self, key: Any, count: int, t: float) -> None:
         self.token_times[key].extend([t] * count)
 
-    def ttft(self) -> list[float]:
-        return [times[0] - self.arrivals[key] for key, times in self.token_times.items() if times]
+    def ttft(self, keys: Iterable[Any] | None = None) -> list[float]:
+        return [times[0] - self.arrivals[key] for key, times in self._select(keys) if times]
 
-    def itl(self) -> list[float]:
-        return np.concatenate([np.diff(times) for times in self.token_times.values()] or [[]]).tolist()
+    def itl(self, keys: Iterable[Any] | None = None) -> list[float]:
+        """Gaps between consecutive tokens of each request (of `keys` only, if given)."""
+        return np.concatenate([np.diff(times) for _, times in self._select(keys)] or [[]]).tolist()
+
+    def _select(self, keys: Iterable[Any] | None) -> list[tuple[Any, list[float]]]:
+        if keys is None:
+            return list(self.token_times.items())
+        return [(key, self.token_times[key]) for key in keys]
 
 
 @dataclass
@@ -79,10 +85,10 @@ class RunRecord:
             "cpu_s": self.cpu_s,
             # CPU seconds per wall second per core: well below ORT's thread count / cores, others took the cores.
             "cpu_utilization": self.cpu_s / (self.wall_s * (os.cpu_count() or 1)),
-            "ttft_p50_s": _percentile(ttft, 50),
-            "ttft_p99_s": _percentile(ttft, 99),
-            "itl_p50_s": _percentile(itl, 50),
-            "itl_p99_s": _percentile(itl, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50),
+            "itl_p99_s": percentile(itl, 99),
             "kv_utilization": float(np.mean(self.kv_utilization)) if self.kv_utilization else 0.0,
             "context_fill": float(np.mean(self.context_fill)) if self.context_fill else 0.0,
             "padding_waste": self.tokens_computed / self.tokens_real - 1 if self.tokens_real else 0.0,
@@ -98,5 +104,5 @@ class RunRecord:
         }
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0

@@ -9,7 +9,7 @@ import gc
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,13 +17,16 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.bench import micro, workloads
-from runtime.bench.metrics import RunRecord, peak_rss_bytes
+from graphs.contract import PREFILL
+from graphs.manifest import Manifest
+from runtime.bench.metrics import RunRecord, peak_rss_bytes, percentile
 from runtime.bench.naive import NaiveRunner
 from runtime.bench.runner import run_engine, warm_up
 from runtime.bench.workloads import BenchRequest
 from runtime.engine import EngineConfig, LLMEngine
 
-DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32}
+DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
+NO_BASELINE = ("stress",)  # workloads compared with themselves (chunking on vs off), not with the naive engine
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class BenchOptions:
     baseline: str | None = "naive"
     naive_batch: int = 16
     threads: int | None = None
+    executor: str = "onnxruntime"  # the paged engine's; the naive baseline always runs on ONNX Runtime
+    chunk_tokens: int = 48  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 48 = a T=64 gear)
+    stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
     contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...
     decode_batch: int = 16  # ... with this many sequences
@@ -51,18 +57,23 @@ class BenchOptions:
             raise ValueError(f"--workload {self.workload!r}: choose one of {', '.join(workloads.WORKLOADS)}")
         if self.baseline not in (None, "naive"):
             raise ValueError(f"--baseline {self.baseline!r}: choose naive or none")
+        if self.workload in NO_BASELINE and (self.baseline or self.micro):
+            raise ValueError(f"--workload {self.workload} compares chunked prefill on and off: pass --baseline none "
+                             f"--no-micro (the naive baseline and the decode figures belong to the mixed workload)")
 
 
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
     count = options.requests or DEFAULT_REQUESTS[options.workload]
     if options.workload == "shared-prefix":
         return workloads.shared_prefix(engine.prompt_token_ids, count, options.prefix_words, options.seed)
+    if options.workload == "stress":
+        return workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
     requests = workloads.mixed(engine.model.vocab_size, count, options.prompt_range, options.output_range, options.seed)
     return workloads.poisson(requests, options.rate, options.seed) if options.workload == "poisson" else requests
 
 
 def _engine(options: BenchOptions, **config: Any) -> LLMEngine:
-    engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, **config))
+    engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor, **config))
     warm_up(engine)
     return engine
 
@@ -73,12 +84,12 @@ def _machine() -> dict[str, Any]:
             "load_avg_1m_at_start": os.getloadavg()[0]}
 
 
-def _measure_paged(options: BenchOptions, log: TextIO) -> tuple[RunRecord, list[BenchRequest], LLMEngine]:
+def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[RunRecord, list[BenchRequest], LLMEngine]:
     """The first engine of the process, so the process's peak RSS afterwards is the engine's."""
-    engine = _engine(options)
+    engine = _engine(options, **config)
     requests = _requests(options, engine)
     workloads.check_fits(requests, engine.max_model_len, options.workload)
-    print(f"paged engine: {len(requests)} {options.workload} requests ...", file=log)
+    print(f"paged engine ({options.executor}): {len(requests)} {options.workload} requests ...", file=log)
     record = run_engine(engine, requests)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
@@ -89,7 +100,12 @@ def _measure_paged(options: BenchOptions, log: TextIO) -> tuple[RunRecord, list[
 
 def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]:
     """Run everything `options` asks for; returns the JSON-ready results (see docs/performance.md for the keys)."""
-    results: dict[str, Any] = {"workload": options.workload, "options": asdict(options), "machine": _machine()}
+    results: dict[str, Any] = {"workload": options.workload, "executor": options.executor,
+                               "options": asdict(options), "machine": _machine()}
+    if options.workload == "stress":
+        results.update(_stress(options, log))
+        results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+        return results
     paged, requests, engine = _measure_paged(options, log)
     vocab_size = engine.model.vocab_size
     results.update(paged.figures())
@@ -115,6 +131,39 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
         results.update(_micro(options, naive, vocab_size, log))
     results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     return results
+
+
+def _stress(options: BenchOptions, log: TextIO) -> dict[str, Any]:
+    """The decoders' inter-token latency while the long prompt is fed in chunks, then whole (chunking off).
+
+    Both engines may put a whole request in one step (max_num_batched_tokens = max_model_len = the
+    largest prefill gear), so the only difference is `long_prefill_token_threshold` against
+    `enable_chunked_prefill=False`.
+    """
+    budget = max(g.tokens for g in Manifest.load(Path(options.artifact)).families[PREFILL].gears)
+    limits = dict(max_num_batched_tokens=budget, max_model_len=budget)
+    chunked, requests, engine = _measure_paged(options, log, long_prefill_token_threshold=options.chunk_tokens,
+                                               **limits)
+    del engine
+    gc.collect()
+    print("paged engine, chunked prefill off ...", file=log)
+    whole = run_engine(_engine(options, enable_chunked_prefill=False, **limits), requests)
+    decoders, long = [f"bench-{i}" for i in range(len(requests) - 1)], f"bench-{len(requests) - 1}"
+    out: dict[str, Any] = {}
+    for suffix, record in (("", chunked), ("_chunking_off", whole)):
+        figures = record.figures()
+        itl = record.timeline.itl(decoders)
+        figures.update(itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99), itl_max_s=max(itl),
+                       long_prompt_ttft_s=record.timeline.ttft([long])[0])
+        figures["itl_p99_over_p50"] = figures["itl_p99_s"] / figures["itl_p50_s"]
+        if suffix:
+            figures["peak_rss_bytes"] = None  # the process's high-water mark is the first engine's
+            out["chunking_off"] = figures
+        else:
+            out.update(figures)
+        for key in ("itl_p50_s", "itl_p99_s", "itl_max_s", "itl_p99_over_p50", "long_prompt_ttft_s", "total_s"):
+            out[key + suffix] = figures[key]
+    return out
 
 
 def _micro(options: BenchOptions, naive: NaiveRunner | None, vocab_size: int, log: TextIO) -> dict[str, Any]:

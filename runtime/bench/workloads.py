@@ -9,7 +9,7 @@ import numpy as np
 
 from runtime.workloads import shared_prefix_workload
 
-WORKLOADS = ("mixed", "poisson", "shared-prefix")
+WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress")
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 
 
@@ -53,10 +53,34 @@ def shared_prefix(encode: Callable[[Mapping[str, Any]], list[int]], num_requests
     return [BenchRequest(encode({"messages": item["messages"]}), int(item["max_tokens"])) for item in items]
 
 
+@dataclass(frozen=True)
+class StressShape:
+    """`decoders` requests decoding when one long prompt arrives (`long_arrival_s` after t=0)."""
+
+    decoders: int = 16
+    decoder_prompt: int = 32
+    decoder_tokens: int = 256  # long enough that most of their gaps are plain decode steps in both runs
+    long_prompt: int = 4000
+    long_tokens: int = 32
+    long_arrival_s: float = 3.0  # after the decoders' prompts (one step of 16 x 32 tokens) are done
+
+
+def stress(vocab_size: int, shape: StressShape = StressShape(), seed: int = 0) -> list[BenchRequest]:
+    """The decoders at t=0, then the long prompt: always the last request."""
+    rng = np.random.default_rng(seed)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(FIRST_PLAIN_TOKEN, vocab_size, n).tolist()
+
+    decoders = [BenchRequest(prompt(shape.decoder_prompt), shape.decoder_tokens) for _ in range(shape.decoders)]
+    return decoders + [BenchRequest(prompt(shape.long_prompt), shape.long_tokens, shape.long_arrival_s)]
+
+
 def check_fits(requests: list[BenchRequest], max_model_len: int, workload: str) -> None:
-    """Every request must fit the artifact whole; the mixed workload needs max_model_len >= 1280."""
+    """Every request must fit the artifact whole; mixed needs max_model_len >= 1280, stress 4096."""
     longest = max(r.total_tokens for r in requests)
     if longest > max_model_len:
         raise ValueError(f"the {workload} workload has a request of {longest} tokens (prompt + max_tokens) but the "
                          f"artifact's max_model_len is {max_model_len}; re-export with export.max_model_len >= "
-                         f"{longest} (configs/smollm2.yaml has 2048) or pass fewer/shorter requests")
+                         f"{longest} (configs/smollm2.yaml has 2048, configs/smollm2-long.yaml 4096) or pass fewer/shorter "
+                         f"requests")
