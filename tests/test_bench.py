@@ -99,6 +99,7 @@ def test_stress_compares_chunked_prefill_on_and_off(smollm2_artifact: Path) -> N
     assert chunk_steps >= 600 // 48, "the long prompt is fed in chunks of 48 tokens beside the decodes"
     assert any(gear.startswith("prefill:T1024x") for gear in results["chunking_off"]["bucket_hits"]), \
         "with chunking off the long prompt runs whole"
+    assert "| long prompt TTFT s |" in markdown_table(results) and "paged/chunking off" in text_table(results)
 
 
 def test_stress_has_no_naive_baseline() -> None:

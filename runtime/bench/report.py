@@ -26,6 +26,18 @@ _FIGURES: list[tuple[str, str, Callable[[float], str]]] = [
     ("peak_rss_bytes", "peak RSS MiB", lambda v: f"{v / 2**20:.0f}"),
 ]
 
+_STRESS_FIGURES: list[tuple[str, str, Callable[[float], str]]] = [
+    ("itl_max_s", "inter-token max s (decoders)", lambda v: f"{v:.3f}"),
+    ("itl_p99_over_p50", "inter-token p99 / p50 (decoders)", lambda v: f"{v:.2f}"),
+    ("long_prompt_ttft_s", "long prompt TTFT s", lambda v: f"{v:.2f}"),
+]
+_COMPARISONS = {"shared-prefix": ("cache_off", "cache off"), "stress": ("chunking_off", "chunking off")}
+
+
+def _comparison(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    key, name = _COMPARISONS.get(results["workload"], ("naive", "naive"))
+    return name, results.get(key) or {}
+
 
 def _row(label: str, ours: float | None, theirs: float | None, fmt: Callable[[float], str]) -> Row:
     ratio = f"{ours / theirs:.2f}x" if ours is not None and theirs else ""
@@ -33,12 +45,10 @@ def _row(label: str, ours: float | None, theirs: float | None, fmt: Callable[[fl
 
 
 def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
-    """The comparison column: the naive baseline, or prefix caching off for the shared-prefix workload."""
-    other, name = results.get("naive"), "naive"
-    if results["workload"] == "shared-prefix":
-        other, name = results.get("cache_off"), "cache off"
-    other = other or {}
-    table = [_row(label, results.get(key), other.get(key), fmt) for key, label, fmt in _FIGURES]
+    """The comparison column: the naive baseline, prefix caching off (shared-prefix) or chunking off (stress)."""
+    name, other = _comparison(results)
+    figures = _FIGURES + _STRESS_FIGURES if results["workload"] == "stress" else _FIGURES
+    table = [_row(label, results.get(key), other.get(key), fmt) for key, label, fmt in figures]
     if "prefix_hit_rate" in results:
         table.append(_row("prefix hit rate", results["prefix_hit_rate"], other.get("prefix_hit_rate"),
                           lambda v: f"{v:.3f}"))
@@ -80,8 +90,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    name, _ = rows(results)
-    other = results.get("naive") or results.get("cache_off") or {}
+    name, other = _comparison(results)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     ax = axes[0][0]
     ax.bar(["paged", name], [results["throughput_tok_s"], other.get("throughput_tok_s", 0)], color=["C0", "C1"])
