@@ -59,3 +59,13 @@ def test_mindspore_executor_matches_onnxruntime_and_hf(artifact: Path) -> None:
     # logits of magnitude ~20, so 1e-4 plus a 1e-5 relative allowance.
     for (gear, a), (_, b) in zip(ms.steps, ort.steps):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5, err_msg=f"gear {gear}")
+
+
+def test_bench_runs_on_the_mindspore_executor(artifact: Path) -> None:
+    from runtime.bench.suite import BenchOptions, run_bench
+
+    results = run_bench(BenchOptions(str(artifact), requests=3, prompt_range=(8, 40), output_range=(2, 4),
+                                     executor="mindspore", baseline=None, micro=False, threads=2))
+    assert results["executor"] == "mindspore" and results["requests"] == 3
+    assert results["compile_pass_s"] > 0 and results["throughput_tok_s"] > 0
+    assert sum(results["bucket_hits"].values()) == results["steps"]
