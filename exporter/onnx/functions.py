@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from onnx import FunctionProto, helper
+from onnx import FunctionProto, TensorProto, helper
 
 from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
 
@@ -107,16 +107,19 @@ def _gather_context(n: Nodes, h: "_Heads", pool: str, tables: str) -> tuple[str,
 
 
 QUERY_TILE = 64
-Context = Callable[[str], tuple[str, str, str]]
+TileReader = Callable[[Nodes, str], tuple[str, str, str]]
+Context = Callable[[str, str], TileReader]
 
 
 def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, first_visible: str, context: Context) -> str:
     """Sequences with several queries (prefill chunks) -> their packed output rows.
 
-    Queries are cut into tiles of QUERY_TILE rows of one sequence each, so a step mixing a long
-    prompt with short ones pays tiles x tile x L, not sequences x longest x L. `context(tile_seq)`
-    gives each tile's keys/values [NT, L, KV*D] and L; query o of sequence b sees keys up to
-    first_visible[b] + o.
+    Queries are cut into tiles of QUERY_TILE rows of one sequence each, and a Loop attends one
+    tile per iteration, so only one tile's scores are ever alive (a 2,048-token step held
+    [tiles, KV, TILE*G, longest] of them at once) and each tile reads only the keys up to its
+    last query: its own sequence's, causally trimmed. Query o of sequence b sees keys up to
+    first_visible[b] + o. `context(tile_seq, tile_keys)` prepares, outside the Loop, what its
+    reader needs; the reader gives tile i's keys/values [L, KV*D] and L (>= tile_keys[i]) inside it.
     """
     tile = n.const([QUERY_TILE])
     tiles_per_seq = n.op("Div", n.op("Add", q_lens, n.const([QUERY_TILE - 1])), tile)
@@ -125,25 +128,45 @@ def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, first_visible: s
     num_tiles = n.op("ReduceSum", tiles_per_seq, n.const([0]), keepdims=1)
     tile_range = n.op("Range", n.const(0), n.op("Squeeze", num_tiles), n.const(1))
     tile_seq = _owner(n, tile_range, tile_ends)
-    in_tile = n.op("Range", n.const(0), n.const(QUERY_TILE), n.const(1))
-    offsets = n.op("Add", n.unsqueeze(n.op("Mul", n.op("Sub", tile_range, n.op("Gather", tile_starts, tile_seq, axis=0)),
-                                             tile), [1]), n.unsqueeze(in_tile, [0]))  # [NT, TILE] query offsets
+    first = n.op("Mul", n.op("Sub", tile_range, n.op("Gather", tile_starts, tile_seq, axis=0)), tile)  # [NT]
+    in_tile = n.unsqueeze(n.op("Range", n.const(0), n.const(QUERY_TILE), n.const(1)), [0])
+    offsets = n.op("Add", n.unsqueeze(first, [1]), in_tile)  # [NT, TILE] query offsets in their sequence
     last_row = n.op("Sub", n.shape_dim("query", 0), n.const([1]))
     rows = n.op("Min", n.op("Add", n.unsqueeze(n.op("Gather", starts, tile_seq, axis=0), [1]), offsets), last_row)
-    limit = n.op("Add", n.unsqueeze(n.op("Gather", first_visible, tile_seq, axis=0), [1]), offsets)
-    keys, values, length = context(tile_seq)
+    visible = n.op("Gather", first_visible, tile_seq, axis=0)
+    limit = n.op("Add", n.unsqueeze(visible, [1]), offsets)  # [NT, TILE] last key each query sees
+    real = n.op("Min", n.op("Sub", n.op("Gather", q_lens, tile_seq, axis=0), first), tile)
+    read = context(tile_seq, n.op("Add", n.op("Add", visible, first), real))  # keys up to the tile's last query
+    scale = n.attr_const("qk_scale", "float")
+    query = n.op("Mul", n.op("Gather", "query", rows, axis=0), scale)  # [NT, TILE, H*D]
+    query = n.op("Reshape", query, _shape(n, num_tiles, tile, h.kv, h.group, h.dim))
+    query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])  # [NT, KV, TILE, G, D]
     tile_group = n.op("Mul", tile, h.group)
-    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, num_tiles, tile, h.kv, h.group, h.dim))
-    query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])
-    query = n.op("Reshape", query, _shape(n, num_tiles, h.kv, tile_group, h.dim))  # [NT, KV, TILE*G, D]
-    kv_shape = _shape(n, num_tiles, length, h.kv, h.dim)
-    keys = n.op("Transpose", n.op("Reshape", keys, kv_shape), perm=[0, 2, 3, 1])  # [NT, KV, D, L]
-    values = n.op("Transpose", n.op("Reshape", values, kv_shape), perm=[0, 2, 1, 3])  # [NT, KV, L, D]
-    key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
-    visible = n.op("LessOrEqual", n.unsqueeze(key_pos, [0, 1]), n.unsqueeze(limit, [2]))  # [NT, TILE, L]
-    mask = n.op("Expand", n.unsqueeze(visible, [1, 3]), _shape(n, 1, 1, 1, h.group, 1))
-    mask = n.op("Reshape", mask, _shape(n, num_tiles, 1, tile_group, length))
-    out = _softmax_attention(n, query, keys, values, mask)
+    query = n.op("Reshape", query, _shape(n, num_tiles, h.kv, tile_group, h.dim))
+    kv_heads = _shape(n, -1, h.kv, h.dim)
+    scores_shape = _shape(n, h.kv, tile, h.group, -1)
+    rows_shape = _shape(n, h.kv, tile_group, -1)
+
+    body = Nodes(prefix=n.fresh("tile_"))
+    i = body.fresh("i")
+    keys, values, length = read(body, i)
+    keys = body.op("Transpose", body.op("Reshape", keys, kv_heads), perm=[1, 2, 0])  # [KV, D, L]
+    values = body.op("Transpose", body.op("Reshape", values, kv_heads), perm=[1, 0, 2])  # [KV, L, D]
+    scores = body.op("MatMul", body.op("Gather", query, i, axis=0), keys)  # [KV, TILE*G, L]
+    key_pos = body.op("Range", body.const(0), length, body.const(1))
+    seen = body.op("LessOrEqual", body.unsqueeze(key_pos, [0]), body.unsqueeze(body.op("Gather", limit, i, axis=0), [1]))
+    scores = body.op("Where", body.unsqueeze(seen, [1]), body.op("Reshape", scores, scores_shape),
+                     body.const(NEG_INF, dtype="float32"))  # [KV, TILE, G, L]
+    probs = body.op("Reshape", body.op("Softmax", scores, axis=-1), rows_shape)
+    tile_out = body.op("MatMul", probs, values)  # [KV, TILE*G, D]
+    cond = body.fresh("cond")
+    body.nodes.append(helper.make_node("Identity", [cond], [body.fresh("cond_out")]))
+    graph = helper.make_graph(
+        body.nodes, body.fresh("tile_body"),
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(body.nodes[-1].output[0], TensorProto.BOOL, []),
+         helper.make_tensor_value_info(tile_out, TensorProto.FLOAT, None)])
+    out = n.op("Loop", n.op("Squeeze", num_tiles), "", body=graph)  # [NT, KV, TILE*G, D]
     out = n.op("Reshape", out, _shape(n, num_tiles, h.kv, tile, h.group, h.dim))
     out = n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), _shape(n, n.op("Mul", num_tiles, tile), h.width))
     # Packed token t (of these sequences) -> its row in the [NT*TILE] tile layout.
@@ -159,12 +182,6 @@ def _owner(n: Nodes, items: str, ends: str) -> str:
     """Index of the segment holding each item, segments given by their exclusive end offsets."""
     before = n.op("GreaterOrEqual", n.unsqueeze(items, [1]), n.unsqueeze(ends, [0]))
     return n.op("ReduceSum", n.cast(before), n.const([1]), keepdims=0)
-
-
-def _softmax_attention(n: Nodes, query: str, keys: str, values: str, mask: str) -> str:
-    scores = n.op("Mul", n.op("MatMul", query, keys), n.attr_const("qk_scale", "float"))
-    scores = n.op("Where", mask, scores, n.const(NEG_INF, dtype="float32"))
-    return n.op("MatMul", n.op("Softmax", scores, axis=-1), values)
 
 
 def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, length: str, context_lens: str) -> str:
@@ -209,10 +226,8 @@ def _paged_attention(n: Nodes) -> list[str]:
         keys, length = _gather_context(n, h, "k_cache", seq_tables)
         return keys, _gather_context(n, h, "v_cache", seq_tables)[0], length
 
-    m_starts, m_lens, m_ctx, m_tables, m_blocks = rows.take(n.const([0]), multi)
-    m_tables = _used_columns(n, m_tables, m_blocks)
-    multi_out = _multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens),
-                             lambda tile_seq: pooled(n.op("Gather", m_tables, tile_seq, axis=0)))
+    m_starts, m_lens, m_ctx, m_tables, _ = rows.take(n.const([0]), multi)
+    multi_out = _multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens), _pool_tiles(n, h, m_tables))
     split = n.op("Add", multi, _best_split(n, rows.take(multi, real)[4]))
     outs = [multi_out]
     for lo, hi in ((multi, split), (split, real)):
@@ -221,6 +236,25 @@ def _paged_attention(n: Nodes) -> list[str]:
     out = n.op("Concat", *outs, axis=0)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
+
+
+def _pool_tiles(n: Nodes, h: _Heads, tables: str) -> Context:
+    """Tile contexts read from the pools: the leading blocks of the tile's sequence that its keys need."""
+    block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
+    views = [n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, h.kv_width))) for pool in ("k_cache", "v_cache")]
+
+    def prepare(tile_seq: str, tile_keys: str) -> TileReader:
+        blocks = n.op("Div", n.op("Add", tile_keys, n.op("Sub", block_size, n.const([1]))), block_size)
+        length = n.op("Mul", blocks, block_size)
+
+        def read(body: Nodes, i: str) -> tuple[str, str, str]:
+            table = body.op("Gather", tables, body.op("Gather", tile_seq, i, axis=0), axis=0)  # [M]
+            used = body.op("Gather", blocks, body.unsqueeze(i, [0]), axis=0)
+            ids = body.op("Slice", table, body.const([0]), used, body.const([0]))
+            keys, values = (body.op("Gather", view, ids, axis=0) for view in views)  # [blocks, block_size*KV*D]
+            return keys, values, body.op("Gather", length, i, axis=0)
+        return read
+    return prepare
 
 
 class _Rows:
@@ -263,13 +297,17 @@ def _self_attention(n: Nodes) -> list[str]:
     cu = n.cast("cu_seqlens_q")
     starts = n.op("Slice", cu, n.const([0]), n.const([-1]))
     q_lens = n.op("Sub", n.op("Slice", cu, n.const([1]), n.const([1 << 62])), starts)
-    longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
-    rows = n.op("Add", n.unsqueeze(starts, [1]), n.op("Range", n.const(0), n.op("Squeeze", longest), n.const(1)))
-    rows = n.op("Min", rows, n.op("Sub", n.shape_dim("query", 0), n.const([1])))  # [B, longest] packed rows
 
-    def own_tokens(tile_seq: str) -> tuple[str, str, str]:
-        tile_rows = n.op("Gather", rows, tile_seq, axis=0)
-        return n.op("Gather", "key", tile_rows, axis=0), n.op("Gather", "value", tile_rows, axis=0), longest
+    def own_tokens(tile_seq: str, tile_keys: str) -> TileReader:
+        first = n.op("Gather", starts, tile_seq, axis=0)
+        last = n.op("Add", first, tile_keys)
+
+        def read(body: Nodes, i: str) -> tuple[str, str, str]:
+            index = body.unsqueeze(i, [0])
+            lo, hi = (body.op("Gather", end, index, axis=0) for end in (first, last))
+            keys, values = (body.op("Slice", x, lo, hi, body.const([0])) for x in ("key", "value"))
+            return keys, values, body.op("Gather", tile_keys, i, axis=0)
+        return read
 
     out = _multi_query(n, h, starts, q_lens, n.op("Mul", q_lens, n.const(0)), own_tokens)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
