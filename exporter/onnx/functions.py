@@ -93,17 +93,32 @@ def _shape(n: Nodes, *dims: str | int) -> str:
     return n.op("Concat", *parts, axis=0)
 
 
-def _gather_context(n: Nodes, h: "_Heads", pool: str, tables: str) -> tuple[str, str]:
-    """[B, M] block ids -> [B, M*block_size, KV*D]: whole blocks gathered from a blocks view of the pool.
+def _block_views(n: Nodes, h: "_Heads") -> list[str]:
+    """The K and V pools as [blocks, block_size*KV*D]: a block table row gathers whole blocks.
 
-    One 12 KB copy per block instead of one per slot; the view is a Reshape that only feeds the
-    Gather (never a graph output), so it aliases the pool rather than copying it.
+    One 12 KB copy per block instead of one per slot; the views are Reshapes that only feed
+    Gathers (never a graph output), so they alias the pools rather than copying them.
     """
     block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
-    blocks = n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, h.kv_width)))
-    context = n.op("Gather", blocks, tables, axis=0)
-    length = n.op("Mul", n.shape_dim(tables, 1), block_size)
-    return n.op("Reshape", context, _shape(n, n.shape_dim(tables, 0), length, h.kv_width)), length
+    width = _shape(n, -1, n.op("Mul", block_size, h.kv_width))
+    return [n.op("Reshape", pool, width) for pool in ("k_cache", "v_cache")]
+
+
+def _when(n: Nodes, condition: str, width: str, branch: Callable[[Nodes], str]) -> str:
+    """`branch`'s [rows, width] output if `condition` ([1] bool) holds, else [0, width], its nodes not run.
+
+    Empty groups are common (a decode step has no prefill chunks, B=1 one decode group): a B=1
+    step launches ~1,800 kernels instead of ~2,550. `branch` emits only data ops into the Nodes it
+    gets; shapes and indices stay outside, where CSE shares them across layers.
+    """
+    then = Nodes(prefix=n.fresh("then_"))
+    result = branch(then)
+    otherwise = Nodes(prefix=n.fresh("else_"))
+    empty = otherwise.op("Identity", n.op("ConstantOfShape", _shape(n, 0, width)))
+    graphs = {name: helper.make_graph(g.nodes, g.prefix + "graph", [],
+                                      [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+              for name, g, out in (("then_branch", then, result), ("else_branch", otherwise, empty))}
+    return n.op("If", n.op("Squeeze", condition), **graphs)
 
 
 QUERY_TILE = 64
@@ -131,51 +146,56 @@ def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, first_visible: s
     first = n.op("Mul", n.op("Sub", tile_range, n.op("Gather", tile_starts, tile_seq, axis=0)), tile)  # [NT]
     in_tile = n.unsqueeze(n.op("Range", n.const(0), n.const(QUERY_TILE), n.const(1)), [0])
     offsets = n.op("Add", n.unsqueeze(first, [1]), in_tile)  # [NT, TILE] query offsets in their sequence
-    last_row = n.op("Sub", n.shape_dim("query", 0), n.const([1]))
+    last_row = n.op("Sub", n.op("ReduceMax", n.op("Concat", n.op("Add", starts, q_lens), n.const([1]), axis=0),
+                                keepdims=1), n.const([1]))  # the last real row (any row if there is none)
     rows = n.op("Min", n.op("Add", n.unsqueeze(n.op("Gather", starts, tile_seq, axis=0), [1]), offsets), last_row)
     visible = n.op("Gather", first_visible, tile_seq, axis=0)
     limit = n.op("Add", n.unsqueeze(visible, [1]), offsets)  # [NT, TILE] last key each query sees
     real = n.op("Min", n.op("Sub", n.op("Gather", q_lens, tile_seq, axis=0), first), tile)
     read = context(tile_seq, n.op("Add", n.op("Add", visible, first), real))  # keys up to the tile's last query
-    scale = n.attr_const("qk_scale", "float")
-    query = n.op("Mul", n.op("Gather", "query", rows, axis=0), scale)  # [NT, TILE, H*D]
-    query = n.op("Reshape", query, _shape(n, num_tiles, tile, h.kv, h.group, h.dim))
-    query = n.op("Transpose", query, perm=[0, 2, 1, 3, 4])  # [NT, KV, TILE, G, D]
     tile_group = n.op("Mul", tile, h.group)
-    query = n.op("Reshape", query, _shape(n, num_tiles, h.kv, tile_group, h.dim))
-    kv_heads = _shape(n, -1, h.kv, h.dim)
-    scores_shape = _shape(n, h.kv, tile, h.group, -1)
-    rows_shape = _shape(n, h.kv, tile_group, -1)
-
-    body = Nodes(prefix=n.fresh("tile_"))
-    i = body.fresh("i")
-    keys, values, length = read(body, i)
-    keys = body.op("Transpose", body.op("Reshape", keys, kv_heads), perm=[1, 2, 0])  # [KV, D, L]
-    values = body.op("Transpose", body.op("Reshape", values, kv_heads), perm=[1, 0, 2])  # [KV, L, D]
-    scores = body.op("MatMul", body.op("Gather", query, i, axis=0), keys)  # [KV, TILE*G, L]
-    key_pos = body.op("Range", body.const(0), length, body.const(1))
-    seen = body.op("LessOrEqual", body.unsqueeze(key_pos, [0]), body.unsqueeze(body.op("Gather", limit, i, axis=0), [1]))
-    scores = body.op("Where", body.unsqueeze(seen, [1]), body.op("Reshape", scores, scores_shape),
-                     body.const(NEG_INF, dtype="float32"))  # [KV, TILE, G, L]
-    probs = body.op("Reshape", body.op("Softmax", scores, axis=-1), rows_shape)
-    tile_out = body.op("MatMul", probs, values)  # [KV, TILE*G, D]
-    cond = body.fresh("cond")
-    body.nodes.append(helper.make_node("Identity", [cond], [body.fresh("cond_out")]))
-    graph = helper.make_graph(
-        body.nodes, body.fresh("tile_body"),
-        [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info(body.nodes[-1].output[0], TensorProto.BOOL, []),
-         helper.make_tensor_value_info(tile_out, TensorProto.FLOAT, None)])
-    out = n.op("Loop", n.op("Squeeze", num_tiles), "", body=graph)  # [NT, KV, TILE*G, D]
-    out = n.op("Reshape", out, _shape(n, num_tiles, h.kv, tile, h.group, h.dim))
-    out = n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), _shape(n, n.op("Mul", num_tiles, tile), h.width))
+    shapes = [_shape(n, num_tiles, tile, h.kv, h.group, h.dim), _shape(n, num_tiles, h.kv, tile_group, h.dim),
+              _shape(n, -1, h.kv, h.dim), _shape(n, h.kv, tile, h.group, -1), _shape(n, h.kv, tile_group, -1),
+              _shape(n, num_tiles, h.kv, tile, h.group, h.dim), _shape(n, n.op("Mul", num_tiles, tile), h.width)]
     # Packed token t (of these sequences) -> its row in the [NT*TILE] tile layout.
     count = n.op("ReduceSum", q_lens, n.const([0]), keepdims=0)
     t_range = n.op("Range", n.const(0), count, n.const(1))
     seq_of = _owner(n, t_range, n.op("Add", starts, q_lens))
     offset = n.op("Sub", t_range, n.op("Gather", starts, seq_of, axis=0))
     tile_of = n.op("Add", n.op("Gather", tile_starts, seq_of, axis=0), n.op("Div", offset, tile))
-    return n.op("Gather", out, n.op("Add", n.op("Mul", tile_of, tile), n.op("Mod", offset, tile)), axis=0)
+    token_rows = n.op("Add", n.op("Mul", tile_of, tile), n.op("Mod", offset, tile))
+    scale, trips = n.attr_const("qk_scale", "float"), n.op("Squeeze", num_tiles)
+
+    def attend(b: Nodes) -> str:
+        tiles_5d, tiles_4d, kv_heads, scores_shape, rows_shape, out_5d, out_2d = shapes
+        query = b.op("Reshape", b.op("Mul", b.op("Gather", "query", rows, axis=0), scale), tiles_5d)
+        query = b.op("Reshape", b.op("Transpose", query, perm=[0, 2, 1, 3, 4]), tiles_4d)  # [NT, KV, TILE*G, D]
+        body = Nodes(prefix=n.fresh("tile_"))
+        i = body.fresh("i")
+        keys, values, length = read(body, i)
+        keys = body.op("Transpose", body.op("Reshape", keys, kv_heads), perm=[1, 2, 0])  # [KV, D, L]
+        values = body.op("Transpose", body.op("Reshape", values, kv_heads), perm=[1, 0, 2])  # [KV, L, D]
+        scores = body.op("MatMul", body.op("Gather", query, i, axis=0), keys)  # [KV, TILE*G, L]
+        key_pos = body.op("Range", body.const(0), length, body.const(1))
+        seen = body.op("LessOrEqual", body.unsqueeze(key_pos, [0]),
+                       body.unsqueeze(body.op("Gather", limit, i, axis=0), [1]))
+        scores = body.op("Where", body.unsqueeze(seen, [1]), body.op("Reshape", scores, scores_shape),
+                         body.const(NEG_INF, dtype="float32"))  # [KV, TILE, G, L]
+        probs = body.op("Reshape", body.op("Softmax", scores, axis=-1), rows_shape)
+        tile_out = body.op("MatMul", probs, values)  # [KV, TILE*G, D]
+        cond = body.fresh("cond")
+        cond_out = body.op("Identity", cond)
+        graph = helper.make_graph(
+            body.nodes, body.prefix + "body",
+            [helper.make_tensor_value_info(i, TensorProto.INT64, []),
+             helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+             helper.make_tensor_value_info(tile_out, TensorProto.FLOAT, None)])
+        out = b.op("Reshape", b.op("Loop", trips, "", body=graph), out_5d)  # [NT, KV, TILE, G, D]
+        out = b.op("Reshape", b.op("Transpose", out, perm=[0, 2, 1, 3, 4]), out_2d)
+        return b.op("Gather", out, token_rows, axis=0)
+
+    return _when(n, n.op("Greater", num_tiles, n.const([0])), h.width, attend)
 
 
 def _owner(n: Nodes, items: str, ends: str) -> str:
@@ -184,23 +204,34 @@ def _owner(n: Nodes, items: str, ends: str) -> str:
     return n.op("ReduceSum", n.cast(before), n.const([1]), keepdims=0)
 
 
-def _single_query(n: Nodes, h: _Heads, rows: str, keys: str, values: str, length: str, context_lens: str) -> str:
+def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str, context_lens: str) -> str:
     """Sequences with one query each (decode), reading the gathered [B, L, KV*D] rows as they are.
 
     Each query head is placed in its kv head's slice of an otherwise zero KV*D row, so scores and
     outputs are plain batched GEMMs against the gathered context: no transpose copies of K/V
-    (decode is bound by moving the context, not by these KV-times-larger tiny GEMMs).
+    (decode is bound by moving the context, not by these KV-times-larger tiny GEMMs). Runs under
+    `_when`: data ops go into the branch, shapes and the mask stay in `n`.
     """
     seqs = n.shape_dim(rows, 0)
-    query = n.op("Reshape", n.op("Gather", "query", rows, axis=0), _shape(n, seqs, h.heads, 1, h.dim))
-    placed = n.op("Reshape", n.op("Mul", query, h.placement()), _shape(n, seqs, h.heads, h.kv_width))
-    scores = n.op("MatMul", placed, n.op("Transpose", keys, perm=[0, 2, 1]))  # [B, H, L]
+    length = n.op("Mul", n.shape_dim(tables, 1), n.unsqueeze(n.attr_const("block_size", "int"), [0]))
     key_pos = n.op("Range", n.const(0), n.op("Squeeze", length), n.const(1))
     visible = n.unsqueeze(n.op("Less", n.unsqueeze(key_pos, [0]), n.unsqueeze(context_lens, [1])), [1])
-    scores = n.op("Where", visible, scores, n.const(NEG_INF, dtype="float32"))
-    out = n.op("MatMul", n.op("Softmax", scores, axis=-1), values)  # [B, H, KV*D]
-    out = n.op("Reshape", out, _shape(n, seqs, n.op("Mul", h.heads, h.kv), h.dim))
-    return n.op("Reshape", n.op("Gather", out, h.diagonal(), axis=1), _shape(n, seqs, h.width))
+    shapes = [_shape(n, seqs, length, h.kv_width), _shape(n, seqs, h.heads, 1, h.dim),
+              _shape(n, seqs, h.heads, h.kv_width), _shape(n, seqs, n.op("Mul", h.heads, h.kv), h.dim),
+              _shape(n, seqs, h.width)]
+    placement, diagonal, neg_inf = h.placement(), h.diagonal(), n.const(NEG_INF, dtype="float32")
+
+    def attend(b: Nodes) -> str:
+        context_shape, heads_shape, placed_shape, products_shape, out_shape = shapes
+        keys, values = (b.op("Reshape", b.op("Gather", view, tables, axis=0), context_shape) for view in views)
+        query = b.op("Reshape", b.op("Gather", "query", rows, axis=0), heads_shape)
+        placed = b.op("Reshape", b.op("Mul", query, placement), placed_shape)
+        scores = b.op("MatMul", placed, b.op("Transpose", keys, perm=[0, 2, 1]))  # [B, H, L]
+        scores = b.op("Where", visible, scores, neg_inf)
+        out = b.op("MatMul", b.op("Softmax", scores, axis=-1), values)  # [B, H, KV*D]
+        return b.op("Reshape", b.op("Gather", b.op("Reshape", out, products_shape), diagonal, axis=1), out_shape)
+
+    return _when(n, n.op("Greater", seqs, n.const([0])), h.width, attend)
 
 
 def _paged_attention(n: Nodes) -> list[str]:
@@ -208,8 +239,8 @@ def _paged_attention(n: Nodes) -> list[str]:
 
     Each group reads only the block-table columns its longest context needs (not the gear's M),
     and the single-query group is split once where that saves the most context reads, so a decode
-    at 64 tokens of context never pays for one at 1,024. Padding sequences and tokens cost only
-    the final Pad.
+    at 64 tokens of context never pays for one at 1,024. Empty groups and padding sequences cost
+    nothing but their If; padding tokens cost only the final Pad.
     """
     h = _Heads(n)
     cu = n.cast("cu_seqlens_q")
@@ -221,27 +252,21 @@ def _paged_attention(n: Nodes) -> list[str]:
     block_size = n.attr_const("block_size", "int")
     blocks = n.op("Div", n.op("Add", context_lens, n.op("Sub", block_size, n.const(1))), block_size)
     rows = _Rows(n, [starts, q_lens, context_lens, tables, blocks])
-
-    def pooled(seq_tables: str) -> tuple[str, str, str]:
-        keys, length = _gather_context(n, h, "k_cache", seq_tables)
-        return keys, _gather_context(n, h, "v_cache", seq_tables)[0], length
-
+    views = _block_views(n, h)
     m_starts, m_lens, m_ctx, m_tables, _ = rows.take(n.const([0]), multi)
-    multi_out = _multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens), _pool_tiles(n, h, m_tables))
+    outs = [_multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens), _pool_tiles(n, views, m_tables))]
     split = n.op("Add", multi, _best_split(n, rows.take(multi, real)[4]))
-    outs = [multi_out]
     for lo, hi in ((multi, split), (split, real)):
         s_starts, _, s_ctx, s_tables, s_blocks = rows.take(lo, hi)
-        outs.append(_single_query(n, h, s_starts, *pooled(_used_columns(n, s_tables, s_blocks)), s_ctx))
+        outs.append(_single_query(n, h, views, s_starts, _used_columns(n, s_tables, s_blocks), s_ctx))
     out = n.op("Concat", *outs, axis=0)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
 
 
-def _pool_tiles(n: Nodes, h: _Heads, tables: str) -> Context:
+def _pool_tiles(n: Nodes, views: list[str], tables: str) -> Context:
     """Tile contexts read from the pools: the leading blocks of the tile's sequence that its keys need."""
     block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
-    views = [n.op("Reshape", pool, _shape(n, -1, n.op("Mul", block_size, h.kv_width))) for pool in ("k_cache", "v_cache")]
 
     def prepare(tile_seq: str, tile_keys: str) -> TileReader:
         blocks = n.op("Div", n.op("Add", tile_keys, n.op("Sub", block_size, n.const([1]))), block_size)
