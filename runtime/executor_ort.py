@@ -22,8 +22,12 @@ class OrtExecutor:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        # Idle spinning threads would steal the cores the host loop needs between steps.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Workers spin inside a step (a B=1 decode step is ~1,800 short kernels: waking a sleeping
+        # worker for each cost 27% of single-stream tok/s on an idle machine) and stop when the step
+        # returns, so they never take the cores the host loop needs between steps. With another
+        # process on the cores, spinning costs instead (docs/performance.md, change 7).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
         # (-73 MiB on the mixed workload) without making steps faster.
         options.enable_mem_pattern = False
