@@ -16,21 +16,27 @@ from graphs.contract import Gear
 from graphs.manifest import Manifest
 
 
+def session_options(threads: int | None) -> ort.SessionOptions:
+    """The engine's ONNX Runtime settings; the naive baseline uses them too, so both run alike."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # Workers spin inside a step (a B=1 decode step is ~1,800 short kernels: waking a sleeping
+    # worker for each cost 27% of single-stream tok/s on an idle machine) and stop when the step
+    # returns, so they never take the cores the host loop needs between steps. With another
+    # process on the cores, spinning costs instead (docs/performance.md, change 7).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
+    # (-73 MiB on the mixed workload) without making steps faster.
+    options.enable_mem_pattern = False
+    return options
+
+
 class OrtExecutor:
     def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None) -> None:
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # Workers spin inside a step (a B=1 decode step is ~1,800 short kernels: waking a sleeping
-        # worker for each cost 27% of single-stream tok/s on an idle machine) and stop when the step
-        # returns, so they never take the cores the host loop needs between steps. With another
-        # process on the cores, spinning costs instead (docs/performance.md, change 7).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-        options.add_session_config_entry("session.force_spinning_stop", "1")
-        # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
-        # (-73 MiB on the mixed workload) without making steps faster.
-        options.enable_mem_pattern = False
+        options = session_options(threads)
         graphs = {f.graph for f in manifest.families.values()}
         if len(graphs) != 1:
             raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")

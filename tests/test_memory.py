@@ -32,7 +32,7 @@ def test_weights_resident_once(smollm2_artifact: Path) -> None:
 
 
 PREFILL_PROBE = """
-import os, resource, sys
+import sys
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling_params import SamplingParams
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
@@ -42,10 +42,14 @@ params = SamplingParams(max_tokens=1, temperature=0)
 engine.add_request({"prompt_token_ids": list(range(100, 110))}, params)
 while engine.has_unfinished():
     engine.step()
-before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def hwm():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak so far (loading's) is reset to the current RSS: what follows is the step's alone
+before = hwm()
 engine.add_request({"prompt_token_ids": list(range(100, 1123))}, params)
 engine.step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+print(hwm() - before)
 """
 
 

@@ -129,22 +129,23 @@ Context = Callable[[str, str], TileReader]
 def _multi_query(n: Nodes, h: _Heads, starts: str, q_lens: str, first_visible: str, context: Context) -> str:
     """Sequences with several queries (prefill chunks) -> their packed output rows.
 
-    Queries are cut into tiles of QUERY_TILE rows of one sequence each, and a Loop attends one
-    tile per iteration, so only one tile's scores are ever alive (a 2,048-token step held
+    Queries are cut into tiles of QUERY_TILE rows (fewer when every chunk is shorter) of one
+    sequence each, and a Loop attends one tile per iteration, so only one tile's scores are ever alive (a 2,048-token step held
     [tiles, KV, TILE*G, longest] of them at once) and each tile reads only the keys up to its
     last query: its own sequence's, causally trimmed. Query o of sequence b sees keys up to
     first_visible[b] + o. `context(tile_seq, tile_keys)` prepares, outside the Loop, what its
     reader needs; the reader gives tile i's keys/values [L, KV*D] and L (>= tile_keys[i]) inside it.
     """
-    tile = n.const([QUERY_TILE])
-    tiles_per_seq = n.op("Div", n.op("Add", q_lens, n.const([QUERY_TILE - 1])), tile)
+    longest = n.op("ReduceMax", n.op("Concat", q_lens, n.const([1]), axis=0), keepdims=1)
+    tile = n.op("Min", longest, n.const([QUERY_TILE]))  # a short chunk's tile is the chunk, not padded to 64 rows
+    tiles_per_seq = n.op("Div", n.op("Add", q_lens, n.op("Sub", tile, n.const([1]))), tile)
     tile_ends = n.op("CumSum", tiles_per_seq, n.const(0))
     tile_starts = n.op("Sub", tile_ends, tiles_per_seq)
     num_tiles = n.op("ReduceSum", tiles_per_seq, n.const([0]), keepdims=1)
     tile_range = n.op("Range", n.const(0), n.op("Squeeze", num_tiles), n.const(1))
     tile_seq = _owner(n, tile_range, tile_ends)
     first = n.op("Mul", n.op("Sub", tile_range, n.op("Gather", tile_starts, tile_seq, axis=0)), tile)  # [NT]
-    in_tile = n.unsqueeze(n.op("Range", n.const(0), n.const(QUERY_TILE), n.const(1)), [0])
+    in_tile = n.unsqueeze(n.op("Range", n.const(0), n.op("Squeeze", tile), n.const(1)), [0])
     offsets = n.op("Add", n.unsqueeze(first, [1]), in_tile)  # [NT, TILE] query offsets in their sequence
     last_row = n.op("Sub", n.op("ReduceMax", n.op("Concat", n.op("Add", starts, q_lens), n.const([1]), axis=0),
                                 keepdims=1), n.const([1]))  # the last real row (any row if there is none)

@@ -19,6 +19,7 @@ from graphs import contract as c
 from graphs.manifest import ArtifactError, Manifest
 from runtime.bench.metrics import RunRecord
 from runtime.bench.workloads import BenchRequest
+from runtime.executor_ort import session_options
 from runtime.tokenizer import Tokenizer
 
 NAIVE_GRAPH = "graphs/naive.onnx"  # written by `pagedgraph export` when export.baseline is naive
@@ -32,12 +33,8 @@ class NaiveRunner:
         if NAIVE_GRAPH not in manifest.files:
             raise ArtifactError(f"{artifact} has no {NAIVE_GRAPH}; re-export it with `export.baseline: naive` in the "
                                 f"export YAML (or `pagedgraph export --baseline naive`), or run with --baseline none")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the engine's executor
-        self.session = ort.InferenceSession(str(artifact / NAIVE_GRAPH), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(artifact / NAIVE_GRAPH), session_options(threads),
+                                            providers=["CPUExecutionProvider"])
         model = manifest.model
         self.vocab_size, self.max_len, self.batch_size = model.vocab_size, manifest.max_model_len, batch_size
         # Zeroed once: stale rows of earlier batches stay finite and are masked, like any static cache.
