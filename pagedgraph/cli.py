@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
-    p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=48,
+    p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",
                    help="skip decode step time vs context and decode tok/s vs concurrency (always skipped for stress)")

@@ -43,7 +43,7 @@ class BenchOptions:
     naive_batch: int = 16
     threads: int | None = None
     executor: str = "onnxruntime"  # the paged engine's; the naive baseline always runs on ONNX Runtime
-    chunk_tokens: int = 48  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 48 = a T=64 gear)
+    chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
     contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...

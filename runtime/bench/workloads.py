@@ -59,7 +59,7 @@ class StressShape:
 
     decoders: int = 16
     decoder_prompt: int = 32
-    decoder_tokens: int = 256  # long enough that most of their gaps are plain decode steps in both runs
+    decoder_tokens: int = 640  # outlasting the long prompt's chunks, so most of their gaps are plain decodes
     long_prompt: int = 4000
     long_tokens: int = 32
     long_arrival_s: float = 3.0  # after the decoders' prompts (one step of 16 x 32 tokens) are done
