@@ -1,0 +1,212 @@
+"""Decode tok/s of onnxruntime-genai beside our engine: same model, same prompts, same process.
+
+Issue #3 quotes onnxruntime-genai's single-stream figure for this machine kind but no peer at 8+
+concurrent requests; this measures both here, alternately, so the ratio holds on a shared machine.
+For N in --counts, N requests of --prompt-tokens random ids (>= 100, fixed seed) each generate
+exactly --max-tokens tokens greedily (EOS cannot stop them). genai serves them as one static batch
+of N; our engine serves them with `runtime.bench.runner.run_engine`, as `micro.engine_concurrency`
+does. Both figures are `micro.decode_tok_s`: tokens after every request's first, per second.
+Every run has fresh prompts (the next seed), the same for both engines, which take turns going
+first; the best of --rounds is reported. A measurement script only: nothing in the tests or the runtime imports it.
+
+Building the genai model (needs torch, transformers, onnxruntime-genai; HF_HUB_OFFLINE=1 makes sure
+nothing is downloaded; the same commands give byte-identical files):
+
+    HF_HUB_OFFLINE=1 python scripts/peer_genai.py --make-hf /tmp/genai_hf  # the bundled GGUF as fp32 HF
+    pip install onnx-ir  # the builder's one extra dependency (1.1.0 here; a venv keeps it apart)
+    HF_HUB_OFFLINE=1 python -m onnxruntime_genai.models.builder -i /tmp/genai_hf -o /tmp/genai_model \\
+        -p fp32 -e cpu -c /tmp/genai_cache
+
+Measuring (the machine should be idle):
+
+    python scripts/peer_genai.py --artifact artifacts/smollm2-bench --genai-model /tmp/genai_model \\
+        --threads 2 --json docs/bench/peer_genai.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from runtime.bench import micro  # noqa: E402
+from runtime.bench.metrics import RunRecord  # noqa: E402
+from runtime.bench.runner import run_engine, warm_up  # noqa: E402
+from runtime.bench.workloads import BenchRequest  # noqa: E402
+from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+
+
+def make_hf_dir(out: Path) -> None:
+    """The bundled GGUF as a plain fp32 transformers directory, the input genai's builder reads.
+
+    transformers dequantizes the GGUF on load but then refuses to save a "quantized" model, so the
+    weights move into a fresh model built from the same config without its quantization entry.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exporter.checkpoint.gguf_reader import default_model_path
+
+    path = Path(default_model_path())
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype="float32")
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+
+
+class GenaiRunner:
+    """onnxruntime-genai's Generator over one static batch: every request starts and ends together."""
+
+    def __init__(self, model_dir: Path, threads: int | None) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.run([BenchRequest(list(range(100, 108)), 2)])  # session start-up, as runner.warm_up
+
+    def run(self, requests: list[BenchRequest]) -> RunRecord:
+        """Greedy, min_length = max_length so every request computes exactly its max_tokens."""
+        import numpy as np
+
+        prompt_len, max_tokens = len(requests[0].prompt_token_ids), requests[0].max_tokens
+        if any(len(r.prompt_token_ids) != prompt_len or r.max_tokens != max_tokens for r in requests):
+            raise ValueError("genai's static batch needs equal prompt lengths and max_tokens (no padding here)")
+        total = prompt_len + max_tokens
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, min_length=total, max_length=total, batch_size=len(requests))
+        record = RunRecord(requests=len(requests), prompt_tokens=prompt_len * len(requests),
+                           output_tokens=max_tokens * len(requests))
+        keys = range(len(requests))
+        start = time.perf_counter()
+        for key in keys:
+            record.timeline.arrive(key, start)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array([r.prompt_token_ids for r in requests], dtype=np.int32))
+        while not generator.is_done():
+            generator.generate_next_token()  # the first only samples the prompt's logits; later ones run a step
+            now = time.perf_counter()
+            for key in keys:
+                record.timeline.tokens(key, 1, now)
+        record.wall_s = time.perf_counter() - start
+        record.outputs = {key: generator.get_sequence(key)[prompt_len:].tolist() for key in keys}
+        return record
+
+
+def agreement(ours: dict[str, list[int]], theirs: dict[int, list[int]]) -> list[int]:
+    """Per request, how many leading greedy tokens the two engines share (fp32 rounding may split near-ties)."""
+    shared = []
+    for key, tokens in theirs.items():
+        mine = ours[f"bench-{key}"]
+        shared.append(next((i for i, (a, b) in enumerate(zip(mine, tokens)) if a != b), min(len(mine), len(tokens))))
+    return shared
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(genai_model: Path, threads: int | None) -> dict[str, Any]:
+    """Versions (transformers and torch made the HF directory genai's model was built from) and genai's config."""
+    import onnxruntime as ort
+
+    packages = {name: _version(name) for name in ("onnxruntime", "onnxruntime-genai", "numpy", "transformers", "torch")}
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), **packages, "threads": threads or "each engine's default",
+            "ort_default_providers": ort.get_available_providers(), "genai_model": str(genai_model),
+            "genai_config": json.loads((genai_model / "genai_config.json").read_text())}
+
+
+def measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    genai = GenaiRunner(Path(args.genai_model), args.threads)
+    engine = LLMEngine(args.artifact, EngineConfig(threads=args.threads))
+    warm_up(engine)
+    vocab = engine.model.vocab_size
+    runs: dict[int, dict[str, list[float]]] = {n: {"genai": [], "pagedgraph": []} for n in args.counts}
+    shared: dict[int, list[int]] = {n: [] for n in args.counts}
+    seeds = itertools.count(args.seed)  # fresh prompts for every run: no prefix-cache hits on earlier ones
+    for round_index in range(args.rounds):
+        for n in args.counts:
+            requests = micro.random_requests(vocab, n, args.prompt_tokens, args.max_tokens, next(seeds))
+            if round_index % 2:  # alternate who goes first, so neither always runs on the other's heels
+                ours, theirs = run_engine(engine, requests), genai.run(requests)
+            else:
+                theirs, ours = genai.run(requests), run_engine(engine, requests)
+            runs[n]["genai"].append(micro.decode_tok_s(theirs))
+            runs[n]["pagedgraph"].append(micro.decode_tok_s(ours))
+            shared[n].extend(agreement(ours.outputs, theirs.outputs))
+            print(f"round {round_index + 1} N={n}: genai {runs[n]['genai'][-1]:.1f} tok/s, "
+                  f"pagedgraph {runs[n]['pagedgraph'][-1]:.1f} tok/s (load {os.getloadavg()[0]:.2f})", file=log)
+    results = {}
+    for n, by_engine in runs.items():
+        best = {name: max(values) for name, values in by_engine.items()}
+        results[str(n)] = {"genai_tok_s": by_engine["genai"], "pagedgraph_tok_s": by_engine["pagedgraph"],
+                           "genai_best": best["genai"], "pagedgraph_best": best["pagedgraph"],
+                           "ratio_pagedgraph_over_genai": best["pagedgraph"] / best["genai"],
+                           "greedy_tokens_shared_min": min(shared[n]),
+                           "greedy_tokens_shared_mean": sum(shared[n]) / len(shared[n]),
+                           "greedy_tokens_shared_of": args.max_tokens}
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| N | genai tok/s (best; runs) | pagedgraph tok/s (best; runs) | pagedgraph / genai |",
+             "|---:|---|---|---:|"]
+    for n, r in results.items():
+        cells = [f"{r[k + '_best']:.1f} ({', '.join(f'{v:.1f}' for v in r[k + '_tok_s'])})"
+                 for k in ("genai", "pagedgraph")]
+        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {r['ratio_pagedgraph_over_genai']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--make-hf", type=Path, help="write the fp32 HF directory for genai's builder, then exit")
+    parser.add_argument("--artifact", default=str(REPO / "artifacts" / "smollm2-bench"))
+    parser.add_argument("--genai-model", default="/tmp/genai_model")
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    # Set it: genai left to its default ran one core's worth here (29 vs 45 tok/s single-stream at 2 threads).
+    parser.add_argument("--threads", type=int, help="intra-op threads for both engines (default: each one's own)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.make_hf:
+        make_hf_dir(args.make_hf)
+        return
+    if not (Path(args.genai_model) / "genai_config.json").exists():
+        parser.error(f"--genai-model {args.genai_model}: no genai_config.json there; build it as the docstring says")
+    load_start = os.getloadavg()[0]
+    results = measure(args, sys.stderr)
+    print(table(results))
+    if args.json:
+        out = {"environment": environment(Path(args.genai_model), args.threads),
+               "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},
+               "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                            "rounds": args.rounds, "seed": args.seed, "artifact": args.artifact},
+               "results": results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
