@@ -12,14 +12,14 @@ first; the best of --rounds is reported. A measurement script only: nothing in t
 Building the genai model (needs torch, transformers, onnxruntime-genai; HF_HUB_OFFLINE=1 makes sure
 nothing is downloaded; the same commands give byte-identical files):
 
-    HF_HUB_OFFLINE=1 python scripts/peer_genai.py --make-hf /tmp/genai_hf  # the bundled GGUF as fp32 HF
+    HF_HUB_OFFLINE=1 python scripts/peer_genai.py --make-hf artifacts/genai-hf  # the bundled GGUF as fp32 HF
     pip install onnx-ir  # the builder's one extra dependency (1.1.0 here; a venv keeps it apart)
-    HF_HUB_OFFLINE=1 python -m onnxruntime_genai.models.builder -i /tmp/genai_hf -o /tmp/genai_model \\
-        -p fp32 -e cpu -c /tmp/genai_cache
+    HF_HUB_OFFLINE=1 python -m onnxruntime_genai.models.builder -i artifacts/genai-hf -o artifacts/genai-model \\
+        -p fp32 -e cpu -c artifacts/genai-cache
 
 Measuring (the machine should be idle):
 
-    python scripts/peer_genai.py --artifact artifacts/smollm2-bench --genai-model /tmp/genai_model \\
+    python scripts/peer_genai.py --artifact artifacts/smollm2-bench --genai-model artifacts/genai-model \\
         --threads 2 --json docs/bench/peer_genai.json
 """
 from __future__ import annotations
@@ -179,8 +179,8 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--make-hf", type=Path, help="write the fp32 HF directory for genai's builder, then exit")
-    parser.add_argument("--artifact", default=str(REPO / "artifacts" / "smollm2-bench"))
-    parser.add_argument("--genai-model", default="/tmp/genai_model")
+    parser.add_argument("--artifact", default="artifacts/smollm2-bench", help="ours, exported by scripts/bench.sh")
+    parser.add_argument("--genai-model", default="artifacts/genai-model", help="built as the docstring says")
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)

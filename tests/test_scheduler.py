@@ -52,19 +52,25 @@ def test_decodes_first_then_a_block_aligned_chunk_and_packing_puts_chunks_first(
     assert batch.seqs == [long, *decodes] and batch.num_tokens == [16, 1, 1, 1]  # 17 left, aligned down to 16
 
 
-def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
-    sched = build(2048, budget=256, max_seqs=17)
-    decodes = decoding(sched, 16)
-    long = make_seq(list(range(5000, 9000)), "long", arrival=100)
+def feed_beside(sched: Scheduler, decodes: list[Sequence], long: Sequence) -> list[tuple[int, int]]:
+    """Run steps until `long`'s prompt is computed: its (start, size) chunks; every step keeps every decode."""
     sched.add(long)
     chunks = []
-    while long.num_uncomputed > 1 or not long.output_token_ids:
+    while not long.output_token_ids:
         batch = sched.schedule()
-        assert batch is not None and batch.total_tokens <= 256
+        assert batch is not None and batch.total_tokens <= sched.max_num_batched_tokens
         assert set(decodes) <= set(batch.seqs), "a decode was stalled"
         if long in batch.seqs:
             chunks.append((long.num_computed_tokens, batch.num_tokens[batch.seqs.index(long)]))
         run_step(sched, batch)
+    return chunks
+
+
+def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
+    sched = build(2048, budget=256, max_seqs=17)
+    decodes = decoding(sched, 16)
+    long = make_seq(list(range(5000, 9000)), "long", arrival=100)
+    chunks = feed_beside(sched, decodes, long)
     assert sum(n for _, n in chunks) == 4000
     assert all(start % BS == 0 and n % BS == 0 for start, n in chunks[:-1])
     assert max(n for _, n in chunks) == 240  # 256 - 16 decodes, a multiple of the block size
@@ -218,14 +224,7 @@ def test_long_prefill_token_threshold_caps_each_chunk() -> None:
     sched = build(256, budget=200, chunk_cap=12)
     decodes = decoding(sched, 2)
     long = make_seq(list(range(3000, 3050)), "long", arrival=10)
-    sched.add(long)
-    sizes = []
-    while long.num_uncomputed > 0 and not long.output_token_ids:
-        batch = sched.schedule()
-        assert batch is not None and set(decodes) <= set(batch.seqs), "decodes run in every step"
-        sizes.append(batch.num_tokens[batch.seqs.index(long)])
-        run_step(sched, batch)
-    assert sizes == [12, 12, 12, 12, 2]
+    assert [n for _, n in feed_beside(sched, decodes, long)] == [12, 12, 12, 12, 2]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole() -> None:

@@ -26,7 +26,8 @@ from runtime.bench.workloads import BenchRequest
 from runtime.engine import EngineConfig, LLMEngine
 
 DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
-NO_BASELINE = ("stress",)  # workloads compared with themselves (chunking on vs off), not with the naive engine
+NO_BASELINE = ("stress",)
+STRESS_KEYS = ("itl_p50_s", "itl_p99_s", "itl_max_s", "itl_p99_over_p50", "long_prompt_ttft_s", "total_s")  # workloads compared with themselves (chunking on vs off), not with the naive engine
 
 
 @dataclass(frozen=True)
@@ -65,26 +66,30 @@ class BenchOptions:
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
     count = options.requests or DEFAULT_REQUESTS[options.workload]
     if options.workload == "shared-prefix":
-        return workloads.shared_prefix(engine.prompt_token_ids, count, options.prefix_words, options.seed)
-    if options.workload == "stress":
-        return workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
-    requests = workloads.mixed(engine.model.vocab_size, count, options.prompt_range, options.output_range, options.seed)
-    return workloads.poisson(requests, options.rate, options.seed) if options.workload == "poisson" else requests
+        requests = workloads.shared_prefix(engine.prompt_token_ids, count, options.prefix_words, options.seed)
+    elif options.workload == "stress":
+        requests = workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
+    else:
+        requests = workloads.mixed(engine.model.vocab_size, count, options.prompt_range, options.output_range,
+                                   options.seed)
+        if options.workload == "poisson":
+            requests = workloads.poisson(requests, options.rate, options.seed)
+    workloads.check_fits(requests, engine.max_model_len, options.workload)
+    return requests
 
 
-def _engine(options: BenchOptions, **config: Any) -> LLMEngine:
+def _engine(options: BenchOptions, log: TextIO, **config: Any) -> tuple[LLMEngine, float | None]:
+    """A warmed-up engine, and the wall time of its compile pass (None for ONNX Runtime).
+
+    Other executors compile each gear on its first step, so their engines first serve look-alike
+    requests (the next seed: no prefix hits on the measured ones), untimed.
+    """
     engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor, **config))
     warm_up(engine)
-    return engine
-
-
-def _compile_pass(options: BenchOptions, engine: LLMEngine, log: TextIO) -> float | None:
-    """Executors other than ONNX Runtime compile each gear on its first step: serve look-alike
-    requests (the next seed: no prefix hits on the measured ones) first, untimed; returns their wall time."""
     if options.executor == "onnxruntime":
-        return None
+        return engine, None
     print(f"{options.executor}: compiling the gears on a look-alike workload (seed {options.seed + 1}) ...", file=log)
-    return run_engine(engine, _requests(replace(options, seed=options.seed + 1), engine)).wall_s
+    return engine, run_engine(engine, _requests(replace(options, seed=options.seed + 1), engine)).wall_s
 
 
 def _machine() -> dict[str, Any]:
@@ -95,10 +100,8 @@ def _machine() -> dict[str, Any]:
 
 def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[RunRecord, list[BenchRequest], LLMEngine]:
     """The first engine of the process, so the process's peak RSS afterwards is the engine's."""
-    engine = _engine(options, **config)
+    engine, compile_pass_s = _engine(options, log, **config)
     requests = _requests(options, engine)
-    workloads.check_fits(requests, engine.max_model_len, options.workload)
-    compile_pass_s = _compile_pass(options, engine, log)
     print(f"paged engine ({options.executor}): {len(requests)} {options.workload} requests ...", file=log)
     record = run_engine(engine, requests)
     record.extra["compile_pass_s"] = compile_pass_s
@@ -124,9 +127,7 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
     gc.collect()
     if options.workload == "shared-prefix":
         print("paged engine, prefix caching off ...", file=log)
-        engine = _engine(options, enable_prefix_caching=False)
-        _compile_pass(options, engine, log)
-        off = run_engine(engine, requests).figures()
+        off = run_engine(_engine(options, log, enable_prefix_caching=False)[0], requests).figures()
         off["peak_rss_bytes"] = None  # the process's high-water mark is the first engine's, not this one's
         results.update(ttft_p50_s_cache_off=off["ttft_p50_s"], total_s_cache_off=off["total_s"], cache_off=off,
                        ttft_p50_speedup_prefix_cache=off["ttft_p50_s"] / results["ttft_p50_s"])
@@ -160,31 +161,30 @@ def _stress(options: BenchOptions, log: TextIO) -> dict[str, Any]:
     del engine
     gc.collect()
     print("paged engine, chunked prefill off ...", file=log)
-    engine = _engine(options, enable_chunked_prefill=False, **limits)
-    _compile_pass(options, engine, log)
-    whole = run_engine(engine, requests)
-    decoders, long = [f"bench-{i}" for i in range(len(requests) - 1)], f"bench-{len(requests) - 1}"
-    out: dict[str, Any] = {}
-    for suffix, record in (("", chunked), ("_chunking_off", whole)):
-        figures = record.figures()
-        itl = record.timeline.itl(decoders)
-        figures.update(itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99), itl_max_s=max(itl),
-                       long_prompt_ttft_s=record.timeline.ttft([long])[0])
-        figures["itl_p99_over_p50"] = figures["itl_p99_s"] / figures["itl_p50_s"]
-        if suffix:
-            figures["peak_rss_bytes"] = None  # the process's high-water mark is the first engine's
-            out["chunking_off"] = figures
-        else:
-            out.update(figures)
-        for key in ("itl_p50_s", "itl_p99_s", "itl_max_s", "itl_p99_over_p50", "long_prompt_ttft_s", "total_s"):
-            out[key + suffix] = figures[key]
+    whole = run_engine(_engine(options, log, enable_chunked_prefill=False, **limits)[0], requests)
+    out = _stress_figures(chunked, len(requests))
+    off = _stress_figures(whole, len(requests))
+    off["peak_rss_bytes"] = None  # the process's high-water mark is the first engine's
+    out["chunking_off"] = off
+    out.update({key + "_chunking_off": off[key] for key in STRESS_KEYS})
     return out
+
+
+def _stress_figures(record: RunRecord, num_requests: int) -> dict[str, Any]:
+    """The run's figures, latencies of the decoders only (every request but the last, the long prompt)."""
+    decoders, long = [f"bench-{i}" for i in range(num_requests - 1)], f"bench-{num_requests - 1}"
+    itl = record.timeline.itl(decoders)
+    figures = record.figures()
+    figures.update(itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99), itl_max_s=max(itl),
+                   long_prompt_ttft_s=record.timeline.ttft([long])[0])
+    figures["itl_p99_over_p50"] = figures["itl_p99_s"] / figures["itl_p50_s"]
+    return figures
 
 
 def _micro(options: BenchOptions, naive: NaiveRunner | None, vocab_size: int, log: TextIO) -> dict[str, Any]:
     print(f"decode step time at {options.contexts} tokens of context, decode tok/s at {options.concurrency} "
           f"concurrent requests ...", file=log)
-    engine = _engine(options)
+    engine, _ = _engine(options, log)
     batch, short, long = options.decode_batch, min(options.contexts), max(options.contexts)
     out: dict[str, Any] = {
         "decode_step_s": {str(ctx): micro.engine_decode_step_s(engine, [ctx] * batch, seed=options.seed)
