@@ -94,6 +94,24 @@ def test_self_attention_matches_reference(seed: int, head_num: int, kv_head_num:
                                ops.self_attention(query, key, value, cu, **attrs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_num,kv_head_num,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 8)])
+def test_long_prefill_chunk_after_cached_prefix(head_num: int, kv_head_num: int, head_dim: int) -> None:
+    """Many query tiles and key chunks: causal limits cross tile and chunk edges, and a decode rides along."""
+    rng = np.random.default_rng(head_dim)
+    block_size, num_blocks = 16, 64
+    context_lens = np.array([300, 77], np.int32)  # 300 = 150 cached + a 150-token chunk; 77 decodes one
+    cu = np.array([0, 150, 151], np.int32)
+    tables = np.zeros((2, 20), np.int32)
+    tables[0, :19] = rng.permutation(np.arange(1, num_blocks))[:19]
+    tables[1, :5] = np.arange(40, 45)
+    pools = [rng.standard_normal((num_blocks * block_size, kv_head_num * head_dim)).astype(np.float32) for _ in range(2)]
+    query = rng.standard_normal((153, head_num * head_dim)).astype(np.float32)
+    attrs = dict(head_num=head_num, kv_head_num=kv_head_num, qk_scale=head_dim ** -0.5, block_size=block_size)
+    got = binding.paged_attention(query, *pools, tables, context_lens, cu, **attrs)
+    np.testing.assert_allclose(got, ops.paged_attention(query, *pools, tables, context_lens, cu, **attrs),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_out_of_pool_indices_are_errors_not_writes() -> None:
     pool = np.zeros((32, 8), np.float32)
     row = np.ones((1, 8), np.float32)
@@ -103,6 +121,10 @@ def test_out_of_pool_indices_are_errors_not_writes() -> None:
     query = np.ones((1, 16), np.float32)
     with pytest.raises(binding.KernelError, match=r"block_tables\[0, 0\] = 9 is outside the pool of 2 blocks"):
         binding.paged_attention(query, pool, pool, np.array([[9]], np.int32), np.array([1], np.int32),
+                                np.array([0, 1], np.int32), head_num=2, kv_head_num=1, qk_scale=1.0, block_size=16)
+    with pytest.raises(binding.KernelError, match=r"head_dim 12 must be a positive multiple of 8"):
+        binding.paged_attention(np.ones((1, 24), np.float32), np.zeros((32, 12), np.float32),
+                                np.zeros((32, 12), np.float32), np.array([[1]], np.int32), np.array([1], np.int32),
                                 np.array([0, 1], np.int32), head_num=2, kv_head_num=1, qk_scale=1.0, block_size=16)
     with pytest.raises(binding.KernelError, match=r"context_lens\[0\] = 17 must cover its 1 queries and fit 1 blocks"):
         binding.paged_attention(query, pool, pool, np.array([[1]], np.int32), np.array([17], np.int32),

@@ -3,9 +3,13 @@
 // Contracts are those of the numpy references in graphs/ops: pools are [num_slots, kv_heads * head_dim]
 // rows, block tables map a sequence's block index to a pool block, and query rows are packed per
 // cu_seqlens_q (sequence b owns rows cu[b]..cu[b+1]); rows outside every sequence come back as zeros.
-// Each query row and kv head is one work item (OpenMP), so the G query heads of a group read each
-// K/V row once. Every index is checked before anything is read or written: a bad slot or block id
-// is an error, never a write outside the pool.
+// Every index is checked before anything is read or written: a bad slot or block id is an error,
+// never a write outside the pool.
+//
+// Attention is flash-style: a work item is one kv head of a tile of up to kTileRows query rows of one
+// sequence (a decode row is a tile of one), so the G query heads of the group and all rows of the
+// tile share each key and value row while it is in L1, and softmax runs online over chunks of kChunk
+// keys, so no score row longer than a chunk is ever stored.
 #include <omp.h>
 
 #include <algorithm>
@@ -22,6 +26,9 @@
 
 namespace {
 
+constexpr int64_t kTileRows = 16;  // query rows of one sequence per work item
+constexpr int64_t kChunk = 24;     // keys per online-softmax step
+
 thread_local std::string last_error;
 std::atomic<int> thread_limit{0};  // 0: OpenMP's default (OMP_NUM_THREADS or all cores)
 
@@ -34,6 +41,19 @@ int fail(const std::string &message) {
   last_error = message;
   std::fprintf(stderr, "pagedgraph kernel: %s\n", message.c_str());
   return 1;
+}
+
+// body(item) for every item in [0, items): on the host's pool when one is given, else OpenMP.
+template <class Body>
+void parallel_for(const pg_runner *runner, int64_t items, const Body &body) {
+  if (items <= 0) return;
+  if (runner != nullptr) {
+    auto call = [](void *ctx, size_t item) { (*static_cast<const Body *>(ctx))(static_cast<int64_t>(item)); };
+    runner->parallel_for(runner->pool, call, const_cast<Body *>(&body), static_cast<size_t>(items));
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads()) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) body(item);
 }
 
 // K/V rows of one sequence, addressed by position in that sequence.
@@ -53,40 +73,170 @@ struct PackedRows {
   const float *v(int64_t j) const { return value + (first + j) * width; }
 };
 
-// One query row, the `group` heads that share kv head `kv_head`: keys 0..limit inclusive.
+// Eight floats as one value (GCC/Clang vector extension: AVX on x86, two NEON registers on ARM).
+typedef float f32x8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+inline f32x8 load8(const float *p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// exp(x) for the softmax's x <= 0 (libm's expf does not vectorize): x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by its degree-7 Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the exponent bits.
+inline f32x8 exp8(f32x8 x) {
+  x = x < -87.f ? f32x8{} - 87.f : x;
+  const f32x8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 drops the fraction
+  const f32x8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  f32x8 p = f32x8{} + 1.f / 5040;
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  return p * __builtin_bit_cast(f32x8, bits);
+}
+
+// One kv head's slice of a tile: `rows` query rows `stride` floats apart, each holding the `group`
+// query heads of that kv head; row i sees keys 0..first_limit + i. Head h = i * group + g below.
+struct TileShape {
+  int64_t rows, stride, first_limit, kv_head, group, head_dim;
+  float scale;
+  int64_t heads() const { return rows * group; }
+  // Head vectors per score tile: two for prefill tiles, one for decode's few heads.
+  int64_t head_vectors() const { return heads() > kLanes ? 2 : 1; }
+  // Heads padded to whole score tiles (zero queries, ignored outputs).
+  int64_t padded() const {
+    const int64_t step = head_vectors() * kLanes;
+    return (heads() + step - 1) / step * step;
+  }
+  const float *query_of(const float *q, int64_t h) const { return q + (h / group) * stride + (h % group) * head_dim; }
+};
+
+// Per-thread buffers, grown on demand and reused by every later item on that thread. Scores and
+// softmax state are head-minor ([key][head], [head]), so the online softmax runs across heads in
+// vectors; queries are stored transposed ([D][head]) for the same reason.
+struct Scratch {
+  std::vector<float> query_t, acc, scores, peak, total, last_key, correction;
+  void fit(int64_t padded, int64_t head_dim) {
+    const auto grow = [](std::vector<float> &v, int64_t n) { if (static_cast<int64_t>(v.size()) < n) v.resize(n); };
+    grow(query_t, head_dim * padded);
+    grow(acc, padded * head_dim);
+    grow(scores, kChunk * padded);
+    grow(peak, padded);
+    grow(total, padded);
+    grow(last_key, padded);
+    grow(correction, padded);
+  }
+};
+
+// scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of
+// heads (12 accumulators keep both FMA pipes busy; 8 were 1.4x slower) or 8 keys x 1 for decode:
+// each key element is broadcast once per tile, each query vector loaded once per d.
+template <int64_t HV, class Rows>
+void chunk_scores(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, int64_t n) {
+  constexpr int64_t kKeys = HV == 2 ? 6 : 8;
+  static_assert(kChunk % kKeys == 0, "key tiles must not straddle a chunk");
+  const int64_t dim = t.head_dim, offset = t.kv_head * dim, padded = t.padded();
+  const float *keys[kChunk];
+  for (int64_t j = 0; j < kChunk; ++j) keys[j] = kv.k(j0 + std::min(j, n - 1)) + offset;  // j >= n: masked later
+  for (int64_t h = 0; h < padded; h += HV * kLanes) {
+    for (int64_t j = 0; j < n; j += kKeys) {
+      f32x8 acc[kKeys][HV] = {};
+      for (int64_t d = 0; d < dim; ++d) {
+        f32x8 q[HV];
+        for (int64_t v = 0; v < HV; ++v) q[v] = load8(&s.query_t[d * padded + h + v * kLanes]);
+        for (int64_t i = 0; i < kKeys; ++i)
+          for (int64_t v = 0; v < HV; ++v) acc[i][v] += keys[j + i][d] * q[v];
+      }
+      for (int64_t i = 0; i < kKeys; ++i)
+        for (int64_t v = 0; v < HV; ++v) store8(&s.scores[(j + i) * padded + h + v * kLanes], acc[i][v]);
+    }
+  }
+}
+
+// Online softmax over one chunk, in vectors of heads: scores become exp(score - running peak), 0 past
+// each head's last visible key, and `correction[h]` rescales what head h accumulated before.
+void chunk_softmax(Scratch &s, const TileShape &t, int64_t j0, int64_t n) {
+  const int64_t padded = t.padded();
+  for (int64_t h = 0; h < padded; h += kLanes) {
+    const f32x8 last = load8(&s.last_key[h]), peak = load8(&s.peak[h]);
+    f32x8 top = peak;
+    for (int64_t j = 0; j < n; ++j) {
+      const f32x8 score = load8(&s.scores[j * padded + h]);
+      top = static_cast<float>(j0 + j) <= last && score > top ? score : top;
+    }
+    const f32x8 correction = exp8(peak - top);
+    f32x8 total = load8(&s.total[h]) * correction;
+    for (int64_t j = 0; j < n; ++j) {
+      float *row = &s.scores[j * padded + h];
+      const f32x8 p = static_cast<float>(j0 + j) <= last ? exp8(load8(row) - top) : f32x8{};
+      store8(row, p);
+      total += p;
+    }
+    store8(&s.peak[h], top);
+    store8(&s.total[h], total);
+    store8(&s.correction[h], correction);
+  }
+}
+
+// acc_h = acc_h * correction_h + sum_j p[j][h] v_{j0+j}, in register tiles of kHeads heads x W
+// vectors of D (compile-time sizes, so the tile stays in registers).
+template <int64_t W, class Rows>
+void chunk_values(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, int64_t n) {
+  constexpr int64_t kHeads = 4;
+  const int64_t dim = t.head_dim, offset = t.kv_head * dim, padded = t.padded();
+  const float *values[kChunk];
+  for (int64_t j = 0; j < n; ++j) values[j] = kv.v(j0 + j) + offset;
+  for (int64_t h = 0; h < t.heads(); h += kHeads) {
+    for (int64_t d = 0; d < dim; d += W * kLanes) {
+      f32x8 tile[kHeads][W];
+      for (int64_t i = 0; i < kHeads; ++i)
+        for (int64_t w = 0; w < W; ++w) tile[i][w] = load8(&s.acc[(h + i) * dim + d + w * kLanes]) * s.correction[h + i];
+      for (int64_t j = 0; j < n; ++j) {
+        const float *p = &s.scores[j * padded + h];
+        for (int64_t w = 0; w < W; ++w) {
+          const f32x8 v = load8(values[j] + d + w * kLanes);
+          for (int64_t i = 0; i < kHeads; ++i) tile[i][w] += p[i] * v;
+        }
+      }
+      for (int64_t i = 0; i < kHeads; ++i)
+        for (int64_t w = 0; w < W; ++w) store8(&s.acc[(h + i) * dim + d + w * kLanes], tile[i][w]);
+    }
+  }
+}
+
 template <class Rows>
-void attend(const float *q, float *out, const Rows &rows, int64_t limit, int64_t kv_head, int64_t group,
-            int64_t head_dim, float scale) {
-  thread_local std::vector<float> scores;
-  const int64_t keys = limit + 1, kv_off = kv_head * head_dim;
-  if (static_cast<int64_t>(scores.size()) < group * keys) scores.resize(group * keys);
-  for (int64_t j = 0; j < keys; ++j) {
-    const float *k = rows.k(j) + kv_off;
-    for (int64_t g = 0; g < group; ++g) {
-      const float *qg = q + g * head_dim;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-      scores[g * keys + j] = dot * scale;
+void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv) {
+  thread_local Scratch s;
+  const int64_t heads = t.heads(), padded = t.padded(), dim = t.head_dim;
+  s.fit(padded, dim);
+  for (int64_t h = 0; h < padded; ++h) {
+    const float *q = h < heads ? t.query_of(query, h) : nullptr;
+    for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
+    s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + padded * dim, 0.f);
+  std::fill(s.peak.begin(), s.peak.begin() + padded, -INFINITY);
+  std::fill(s.total.begin(), s.total.begin() + padded, 0.f);
+  const int64_t keys = t.first_limit + t.rows;  // the tile's last row sees keys 0..keys-1
+  for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, keys - j0);
+    if (t.head_vectors() == 2) {
+      chunk_scores<2>(s, t, kv, j0, n);
+    } else {
+      chunk_scores<1>(s, t, kv, j0, n);
+    }
+    chunk_softmax(s, t, j0, n);
+    if (dim % (2 * kLanes)) {
+      chunk_values<1>(s, t, kv, j0, n);
+    } else {
+      chunk_values<2>(s, t, kv, j0, n);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float *s = scores.data() + g * keys;
-    const float peak = *std::max_element(s, s + keys);
-    float total = 0.f;
-    for (int64_t j = 0; j < keys; ++j) total += (s[j] = std::exp(s[j] - peak));
-    const float inv = 1.f / total;
-    for (int64_t j = 0; j < keys; ++j) s[j] *= inv;
-    std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    const float *v = rows.v(j) + kv_off;
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * keys + j];
-      float *o = out + g * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
-    }
+  for (int64_t h = 0; h < heads; ++h) {
+    float *o = out + (t.query_of(query, h) - query);
+    const float inv = 1.f / s.total[h];
+    for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
   }
 }
 
@@ -94,7 +244,8 @@ int check_heads(const pg_attention_dims &dims) {
   if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_num % dims.kv_head_num)
     return fail("head_num " + std::to_string(dims.head_num) + " must be a positive multiple of kv_head_num " +
                 std::to_string(dims.kv_head_num));
-  if (dims.head_dim <= 0) return fail("head_dim must be positive");
+  if (dims.head_dim <= 0 || dims.head_dim % kLanes)
+    return fail("head_dim " + std::to_string(dims.head_dim) + " must be a positive multiple of " + std::to_string(kLanes));
   return 0;
 }
 
@@ -111,26 +262,35 @@ void zero_padding(float *out, const int32_t *cu, int64_t batch, int64_t tokens, 
   std::memset(out + cu[batch] * width, 0, sizeof(float) * (tokens - cu[batch]) * width);
 }
 
-// The sequence owning packed row r: the last b with cu[b] <= r (empty sequences skipped).
-int64_t sequence_of(const int32_t *cu, int64_t batch, int64_t r) {
-  return std::upper_bound(cu + 1, cu + batch + 1, r) - (cu + 1);
+struct Tile {
+  int64_t seq, first_row, rows;
+};
+
+// Every sequence's query rows cut into tiles of one sequence each (a decode row is a tile of one).
+const std::vector<Tile> &tiles_of(const int32_t *cu, int64_t batch) {
+  thread_local std::vector<Tile> tiles;
+  tiles.clear();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) tiles.push_back({b, r, std::min<int64_t>(kTileRows, cu[b + 1] - r)});
+  return tiles;
 }
 
-// Attention for every real query row and kv head, in parallel. `rows_of(r, b)` gives the K/V rows of
-// sequence b and the last key index packed row r may see.
+// Attention for every tile and kv head, in parallel. `rows_of(b, r)` gives the K/V rows of sequence b
+// and the last key index its packed row r may see.
 template <class RowsOf>
-void for_each_query(const float *query, float *out, const int32_t *cu, int64_t batch, int64_t tokens,
-                    const pg_attention_dims &dims, RowsOf rows_of) {
+void for_each_tile(const float *query, float *out, const int32_t *cu, int64_t batch, int64_t tokens,
+                   const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of) {
   const int64_t group = dims.head_num / dims.kv_head_num, q_width = dims.head_num * dims.head_dim;
   zero_padding(out, cu, batch, tokens, q_width);
-  const int64_t first = cu[0], items = (cu[batch] - first) * dims.kv_head_num;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads())
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t r = first + item / dims.kv_head_num, kv_head = item % dims.kv_head_num;
-    const auto [rows, limit] = rows_of(r, sequence_of(cu, batch, r));
-    const int64_t offset = r * q_width + kv_head * group * dims.head_dim;
-    attend(query + offset, out + offset, rows, limit, kv_head, group, dims.head_dim, dims.qk_scale);
-  }
+  const std::vector<Tile> &tiles = tiles_of(cu, batch);
+  parallel_for(runner, static_cast<int64_t>(tiles.size()) * dims.kv_head_num, [&](int64_t item) {
+    const Tile &tile = tiles[item / dims.kv_head_num];
+    const int64_t kv_head = item % dims.kv_head_num;
+    const auto [rows, first_limit] = rows_of(tile.seq, tile.first_row);
+    const TileShape shape{tile.rows, q_width, first_limit, kv_head, group, dims.head_dim, dims.qk_scale};
+    const int64_t offset = tile.first_row * q_width + kv_head * group * dims.head_dim;
+    attend_tile(query + offset, out + offset, shape, rows);
+  });
 }
 
 }  // namespace
@@ -142,15 +302,20 @@ const char *pg_last_error() { return last_error.c_str(); }
 void pg_set_threads(int count) { thread_limit.store(count, std::memory_order_relaxed); }
 
 int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
-                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots) {
+                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
+                         const pg_runner *runner) {
   for (int64_t t = 0; t < tokens; ++t)
     if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots)
       return fail("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot_mapping[t]) +
                   " is outside the pool of " + std::to_string(num_slots) + " slots");
-#pragma omp parallel for if (tokens * width > (1 << 16)) num_threads(threads())
-  for (int64_t t = 0; t < tokens; ++t) {
+  const auto write = [&](int64_t t) {
     std::memcpy(k_cache + slot_mapping[t] * width, key + t * width, sizeof(float) * width);
     std::memcpy(v_cache + slot_mapping[t] * width, value + t * width, sizeof(float) * width);
+  };
+  if (tokens * width > (1 << 16)) {
+    parallel_for(runner, tokens, write);
+  } else {
+    for (int64_t t = 0; t < tokens; ++t) write(t);
   }
   return 0;
 }
@@ -158,7 +323,7 @@ int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, f
 int pg_paged_attention(const float *query, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                        const int32_t *context_lens, const int32_t *cu_seqlens_q, float *out, int64_t tokens,
                        int64_t batch, int64_t max_blocks, int64_t num_slots, pg_attention_dims dims,
-                       int64_t block_size) {
+                       int64_t block_size, const pg_runner *runner) {
   if (int rc = check_heads(dims)) return rc;
   if (int rc = check_cu(cu_seqlens_q, batch, tokens)) return rc;
   const int64_t num_blocks = num_slots / block_size;
@@ -176,7 +341,7 @@ int pg_paged_attention(const float *query, const float *k_cache, const float *v_
     }
   }
   const int64_t kv_width = dims.kv_head_num * dims.head_dim;
-  for_each_query(query, out, cu_seqlens_q, batch, tokens, dims, [&](int64_t r, int64_t b) {
+  for_each_tile(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
     const PagedRows rows{k_cache, v_cache, block_tables + b * max_blocks, block_size, kv_width};
     return std::make_pair(rows, context_lens[b] - (cu_seqlens_q[b + 1] - r));  // position of query row r
   });
@@ -184,11 +349,11 @@ int pg_paged_attention(const float *query, const float *k_cache, const float *v_
 }
 
 int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,
-                      float *out, int64_t tokens, int64_t batch, pg_attention_dims dims) {
+                      float *out, int64_t tokens, int64_t batch, pg_attention_dims dims, const pg_runner *runner) {
   if (int rc = check_heads(dims)) return rc;
   if (int rc = check_cu(cu_seqlens_q, batch, tokens)) return rc;
   const int64_t kv_width = dims.kv_head_num * dims.head_dim;
-  for_each_query(query, out, cu_seqlens_q, batch, tokens, dims, [&](int64_t r, int64_t b) {
+  for_each_tile(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
     return std::make_pair(PackedRows{key, value, cu_seqlens_q[b], kv_width}, r - cu_seqlens_q[b]);
   });
   return 0;

@@ -45,7 +45,7 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
     f = np.float32
     _check(_library().pg_reshape_and_cache(
         _ptr(key, f), _ptr(value, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(slot_mapping, np.int64),
-        ctypes.c_int64(key.shape[0]), ctypes.c_int64(key.shape[1]), ctypes.c_int64(k_cache.shape[0])))
+        ctypes.c_int64(key.shape[0]), ctypes.c_int64(key.shape[1]), ctypes.c_int64(k_cache.shape[0]), None))
     return k_cache, v_cache
 
 
@@ -58,7 +58,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         _ptr(query, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(block_tables, i32), _ptr(context_lens, i32),
         _ptr(cu_seqlens_q, i32), _ptr(out, f), ctypes.c_int64(query.shape[0]), ctypes.c_int64(block_tables.shape[0]),
         ctypes.c_int64(block_tables.shape[1]), ctypes.c_int64(k_cache.shape[0]),
-        _dims(query, head_num, kv_head_num, qk_scale), ctypes.c_int64(block_size)))
+        _dims(query, head_num, kv_head_num, qk_scale), ctypes.c_int64(block_size), None))
     return out
 
 
@@ -69,7 +69,7 @@ def self_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seq
     _check(_library().pg_self_attention(
         _ptr(query, f), _ptr(key, f), _ptr(value, f), _ptr(cu_seqlens_q, np.int32), _ptr(out, f),
         ctypes.c_int64(query.shape[0]), ctypes.c_int64(len(cu_seqlens_q) - 1),
-        _dims(query, head_num, kv_head_num, qk_scale)))
+        _dims(query, head_num, kv_head_num, qk_scale), None))
     return out
 
 

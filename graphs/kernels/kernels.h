@@ -1,6 +1,7 @@
 // C API of the pagedgraph kernels: plain C types, so ctypes (tests) and the MindSpore AOT
 // wrappers call the same functions. Each returns 0, or non-zero with pg_last_error() set.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 extern "C" {
@@ -17,14 +18,23 @@ const char *pg_last_error();
 // Threads of every later kernel call in this process; 0 restores OpenMP's default.
 void pg_set_threads(int count);
 
+// A host's thread pool: runs body(ctx, item) once for every item in [0, items), concurrently, and
+// returns when all are done. Passing one lets a kernel share its host's threads (ONNX Runtime's
+// intra-op pool) instead of starting OpenMP's beside them; NULL means OpenMP (pg_set_threads).
+struct pg_runner {
+  void (*parallel_for)(void *pool, void (*body)(void *ctx, size_t item), void *ctx, size_t items);
+  void *pool;
+};
+
 int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
-                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots);
+                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
+                         const pg_runner *runner);
 
 int pg_paged_attention(const float *query, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                        const int32_t *context_lens, const int32_t *cu_seqlens_q, float *out, int64_t tokens,
                        int64_t batch, int64_t max_blocks, int64_t num_slots, pg_attention_dims dims,
-                       int64_t block_size);
+                       int64_t block_size, const pg_runner *runner);
 
 int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,
-                      float *out, int64_t tokens, int64_t batch, pg_attention_dims dims);
+                      float *out, int64_t tokens, int64_t batch, pg_attention_dims dims, const pg_runner *runner);
 }

@@ -46,7 +46,7 @@ int ReshapeAndCache(int, void **params, int *, int64_t **shapes, const char **dt
   *static_cast<float *>(params[5]) = 0.f;
   return pg_reshape_and_cache(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                               static_cast<float *>(params[2]), static_cast<float *>(params[3]),
-                              static_cast<const int64_t *>(params[4]), shapes[0][0], shapes[0][1], shapes[2][0]);
+                              static_cast<const int64_t *>(params[4]), shapes[0][0], shapes[0][1], shapes[2][0], nullptr);
 }
 
 // query [T, H*D], k/v_cache [S, KV*D], block_tables [B, M], context_lens [B], cu_seqlens_q [B+1],
@@ -60,7 +60,7 @@ int PagedAttention(int, void **params, int *, int64_t **shapes, const char **dty
                             static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
                             static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
                             static_cast<float *>(params[8]), shapes[0][0], shapes[3][0], shapes[3][1], shapes[1][0],
-                            attention_dims(params, 6, shapes[0][1]), block_size);
+                            attention_dims(params, 6, shapes[0][1]), block_size, nullptr);
 }
 
 // query [T, H*D], key/value [T, KV*D], cu_seqlens_q [B+1], dims int64 [head_num, kv_head_num],
@@ -70,7 +70,7 @@ int SelfAttention(int, void **params, int *, int64_t **shapes, const char **dtyp
   return pg_self_attention(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                            static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
                            static_cast<float *>(params[6]), shapes[0][0], shapes[3][0] - 1,
-                           attention_dims(params, 4, shapes[0][1]));
+                           attention_dims(params, 4, shapes[0][1]), nullptr);
 }
 
 }  // extern "C"
