@@ -1,19 +1,34 @@
 """ONNX Runtime executor: one session for all bucket families, pools updated in place.
 
 Each per-layer pool is one OrtValue bound as both the pool input and its aliased output,
-so ScatterND writes into it without a copy; one IOBinding per gear is built once and
-reused, its input OrtValues wrapping the packer's numpy buffers (refilled in place).
+so the cache write (ScatterND, or the custom kernel below) goes into it without a copy; one
+IOBinding per gear is built once and reused, its input OrtValues wrapping the packer's numpy
+buffers (refilled in place).
+
+With pagedgraph's custom-op library registered, PagedAttention, ReshapeAndCache and SelfAttention
+each run as one C++ kernel (graphs/kernels/ort_ops.cc) instead of their inlined function bodies:
+ORT prefers a registered kernel to a model-local function, so the artifact stays unchanged.
 """
 from __future__ import annotations
 
+import logging
+from functools import cache
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from graphs import contract as c
 from graphs.contract import Gear
+from graphs.kernels import KernelBuildError, OrtHeaderError, ort_library_path
+from graphs.kernels.ort_headers import FETCH_COMMAND
 from graphs.manifest import Manifest
+
+CustomOps = Literal["auto", "on", "off"]
+CUSTOM_OPS: tuple[CustomOps, ...] = ("auto", "on", "off")
+log = logging.getLogger(__name__)
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -34,9 +49,39 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
+@cache
+def _warn_fallback(reason: str) -> None:
+    """Once per process and reason: every executor after the first falls back for the same cause."""
+    log.warning("pagedgraph's ONNX Runtime custom ops are unavailable, running the fused ops' ONNX function "
+                "bodies instead (slower); `%s` fetches the header they need. Cause: %s", FETCH_COMMAND, reason)
+
+
+def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
+    """Register the custom-op library per `mode`; whether it was.
+
+    "auto" falls back to the function bodies when the library cannot be built (no ORT header, no
+    compiler) or loaded (an onnxruntime older than the header), "on" raises instead, "off" never registers.
+    """
+    if mode not in CUSTOM_OPS:
+        raise ValueError(f"custom_ops = {mode!r}: choose one of {', '.join(CUSTOM_OPS)}")
+    if mode == "off":
+        return False
+    try:
+        options.register_custom_ops_library(str(ort_library_path()))
+    except (OrtHeaderError, KernelBuildError, Fail) as error:  # Fail: this onnxruntime predates the header's API
+        if mode == "on":
+            raise
+        _warn_fallback(str(error))
+        return False
+    return True
+
+
 class OrtExecutor:
-    def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None) -> None:
+    def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                 custom_ops: CustomOps = "auto") -> None:
         options = session_options(threads)
+        # Whether PagedAttention / ReshapeAndCache / SelfAttention run as pagedgraph's C++ kernels.
+        self.custom_ops = register_custom_ops(options, custom_ops)
         graphs = {f.graph for f in manifest.families.values()}
         if len(graphs) != 1:
             raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")

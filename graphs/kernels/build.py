@@ -1,7 +1,9 @@
-"""Compile the kernel sources next to this file into one shared library, once per source version.
+"""Compile the kernel sources next to this file into shared libraries, once per source version.
 
-The library lands in a per-user cache directory keyed by a hash of the sources and flags, so
-the exporter and the runtime on one machine share it and an edited source rebuilds it. The
+Two libraries: the kernels (ctypes, MindSpore AOT) and the ONNX Runtime custom-op library (the
+same kernels behind ORT's C API, built against a header from ort_headers). Each lands in a
+per-user cache directory keyed by a hash of its sources, headers and flags, so the exporter and
+the runtime on one machine share it and an edited source or another ORT header rebuilds it. The
 build writes to a temporary name and renames it, so concurrent first uses never load half a file.
 """
 from __future__ import annotations
@@ -13,10 +15,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("attention.cc", "mindspore_aot.cc")
-HEADERS = ("kernels.h",)
+from graphs.kernels import ort_headers
+
+HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 LIBRARY = "libpagedgraph_kernels.so"
+ORT_LIBRARY = "libpagedgraph_ort.so"
+# Each library's own entry points; every other .cc next to this file is a kernel source both link.
+ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
+# Only RegisterCustomOps is exported: ORT loads the library beside the kernels library, whose
+# pg_* symbols must not bind to this copy's (or the reverse).
+ORT_FLAGS = ("-fvisibility=hidden",)
 CACHE_ENV = "PAGEDGRAPH_CACHE_DIR"
 
 
@@ -35,8 +44,9 @@ def _compiler() -> str:
     for candidate in (os.environ.get("CXX"), "g++", "c++"):
         if candidate and shutil.which(candidate):
             return candidate
-    raise KernelBuildError("no C++ compiler found (looked for $CXX, g++, c++); the MindSpore CPU target runs "
-                           "pagedgraph's own C++ kernels: install one (e.g. `apt-get install g++`) or set CXX")
+    raise KernelBuildError("no C++ compiler found (looked for $CXX, g++, c++); the MindSpore CPU target and the "
+                           "ONNX Runtime custom ops run pagedgraph's own C++ kernels: install one (e.g. "
+                           "`apt-get install g++`) or set CXX")
 
 
 def _cpu_flags() -> bytes:
@@ -47,28 +57,46 @@ def _cpu_flags() -> bytes:
         return b""
 
 
-def _fingerprint(compiler: str) -> str:
-    here = Path(__file__).parent
-    digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode() + _cpu_flags())
-    for name in SOURCES + HEADERS:
-        digest.update((here / name).read_bytes())
+def _fingerprint(command: list[str], inputs: list[Path]) -> str:
+    digest = hashlib.sha256(" ".join(command).encode() + _cpu_flags())
+    for path in inputs:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """The compiled library, building it on first use."""
+def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None) -> Path:
+    """The library `name` (its entry point plus the kernel sources), compiled on first use.
+
+    The cache key covers the compiler, flags, CPU features and the content of every source and
+    header here, and of `include`'s onnxruntime_c_api.h: its path is a machine detail, its version is not.
+    """
+    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in ENTRY_POINTS.values())
+    sources = [ENTRY_POINTS[name], *kernels]
+    inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h"))
+    if include:
+        inputs.append(include / ort_headers.HEADER)
     compiler = _compiler()
-    target = cache_root() / "kernels" / _fingerprint(compiler) / LIBRARY
+    target = cache_root() / "kernels" / _fingerprint([compiler, *FLAGS, *flags, *sources], inputs) / name
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    here = Path(__file__).parent
-    fd, partial = tempfile.mkstemp(prefix=LIBRARY, dir=target.parent)
+    fd, partial = tempfile.mkstemp(prefix=name, dir=target.parent)
     os.close(fd)
-    command = [compiler, *FLAGS, "-I", str(here), *(str(here / s) for s in SOURCES), "-o", partial]
-    result = subprocess.run(command, capture_output=True, text=True)
+    includes = ["-I", str(HERE)] + (["-I", str(include)] if include else [])
+    command = [compiler, *FLAGS, *flags, *includes, *(str(HERE / s) for s in sources), "-o", partial]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         os.unlink(partial)
-        raise KernelBuildError(f"compiling the pagedgraph kernels failed ({' '.join(command)}):\n{result.stderr}")
+        raise KernelBuildError(f"compiling {name} failed ({' '.join(command)}):\n{result.stderr}")
     os.replace(partial, target)
     return target
+
+
+def library_path() -> Path:
+    """The kernels library (C API of kernels.h, MindSpore AOT entry points)."""
+    return _build(LIBRARY)
+
+
+def ort_library_path() -> Path:
+    """The ONNX Runtime custom-op library; raises ort_headers.OrtHeaderError when no header is found."""
+    return _build(ORT_LIBRARY, ORT_FLAGS, ort_headers.include_dir(cache_root()))

@@ -1,0 +1,273 @@
+// ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache and SelfAttention, each ONE
+// call into attention.cc instead of the ~25 standard ops (and Ifs) of its model-local function body.
+//
+// ONNX Runtime prefers a registered kernel to a model-local function of the same domain and name, so
+// exported graphs keep their portable bodies and registering this library is a pure speed-up. Only the
+// C API is used: it is versioned, so a library built against an older header loads in a newer runtime.
+// Kernels run on ORT's intra-op pool (KernelContext_ParallelFor), never on OpenMP threads competing
+// with ORT's spinning workers. Bad inputs become an OrtStatus (ORT_INVALID_ARGUMENT), never a crash.
+#include <cstring>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "onnxruntime_c_api.h"
+
+#if ORT_API_VERSION < 17
+#error "onnxruntime_c_api.h predates ORT_API_VERSION 17 (KernelContext_ParallelFor): use onnxruntime 1.17 or newer"
+#endif
+
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    if (OrtStatus *status_ = (expr)) return status_; \
+  } while (0)
+
+namespace {
+
+const OrtApi *api = nullptr;
+
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+
+OrtStatus *invalid(const std::string &message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message.c_str()); }
+
+OrtStatus *kernel_status(int rc) { return rc ? invalid(pg_last_error()) : nullptr; }
+
+std::string shape_text(const std::vector<int64_t> &shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// An input: its data and shape. ORT has already checked its element type against the op's declaration.
+template <class T>
+struct Input {
+  const T *data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+template <class T>
+OrtStatus *get_input(OrtKernelContext *context, size_t index, Input<T> &out) {
+  const OrtValue *value;
+  RETURN_IF_ERROR(api->KernelContext_GetInput(context, index, &value));
+  OrtTensorTypeAndShapeInfo *info;
+  RETURN_IF_ERROR(api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus *status = api->GetDimensionsCount(info, &rank);
+  if (status == nullptr) {
+    out.shape.resize(rank);
+    status = api->GetDimensions(info, out.shape.data(), rank);
+  }
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  RETURN_IF_ERROR(status);
+  void *data;  // the C API has no const accessor; inputs are only read
+  RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue *>(value), &data));
+  out.data = static_cast<const T *>(data);
+  return nullptr;
+}
+
+OrtStatus *get_output(OrtKernelContext *context, size_t index, const std::vector<int64_t> &shape, float *&out) {
+  OrtValue *value;
+  RETURN_IF_ERROR(api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
+  void *data;
+  RETURN_IF_ERROR(api->GetTensorMutableData(value, &data));
+  out = static_cast<float *>(data);
+  return nullptr;
+}
+
+// `name` must have shape `want`; -1 in `want` matches any extent.
+OrtStatus *check_shape(const char *name, const std::vector<int64_t> &shape, const std::vector<int64_t> &want) {
+  bool ok = shape.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = want[i] < 0 || shape[i] == want[i];
+  if (ok) return nullptr;
+  return invalid(std::string(name) + " has shape " + shape_text(shape) + ", expected " + shape_text(want));
+}
+
+// pg_runner over ORT's intra-op pool. Every item must run, so a refused ParallelFor runs them here.
+void ort_parallel_for(void *pool, void (*body)(void *ctx, size_t item), void *ctx, size_t items) {
+  const auto *context = static_cast<const OrtKernelContext *>(pool);
+  if (OrtStatus *status = api->KernelContext_ParallelFor(context, body, items, 0, ctx)) {
+    api->ReleaseStatus(status);
+    for (size_t item = 0; item < items; ++item) body(ctx, item);
+  }
+}
+
+pg_runner runner_of(OrtKernelContext *context) { return {ort_parallel_for, context}; }
+
+// head_num, kv_head_num, head_dim, qk_scale: the attention ops' shared attributes, read once per node.
+OrtStatus *read_dims(const OrtKernelInfo *info, pg_attention_dims &dims) {
+  RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_num", &dims.head_num));
+  RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_head_num", &dims.kv_head_num));
+  RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_dim", &dims.head_dim));
+  RETURN_IF_ERROR(api->KernelInfoGetAttribute_float(info, "qk_scale", &dims.qk_scale));
+  if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_dim <= 0 || dims.head_num % dims.kv_head_num)
+    return invalid("head_num " + std::to_string(dims.head_num) + ", kv_head_num " + std::to_string(dims.kv_head_num) +
+                   ", head_dim " + std::to_string(dims.head_dim) +
+                   ": all must be positive, head_num a multiple of kv_head_num");
+  return nullptr;
+}
+
+struct PagedAttention {
+  static constexpr const char *name = "PagedAttention";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32, I32, I32, I32};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  pg_attention_dims dims{};
+  int64_t block_size = 0;
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    RETURN_IF_ERROR(read_dims(info, dims));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "block_size", &block_size));
+    return block_size > 0 ? nullptr : invalid("block_size must be positive");
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> query, k_cache, v_cache;
+    Input<int32_t> tables, context_lens, cu;
+    RETURN_IF_ERROR(get_input(context, 0, query));
+    RETURN_IF_ERROR(get_input(context, 1, k_cache));
+    RETURN_IF_ERROR(get_input(context, 2, v_cache));
+    RETURN_IF_ERROR(get_input(context, 3, tables));
+    RETURN_IF_ERROR(get_input(context, 4, context_lens));
+    RETURN_IF_ERROR(get_input(context, 5, cu));
+    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
+    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, dims.kv_head_num * dims.head_dim}));
+    RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
+    RETURN_IF_ERROR(check_shape("block_tables", tables.shape, {-1, -1}));
+    const int64_t batch = tables.shape[0];
+    RETURN_IF_ERROR(check_shape("context_lens", context_lens.shape, {batch}));
+    RETURN_IF_ERROR(check_shape("cu_seqlens_q", cu.shape, {batch + 1}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, query.shape, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_paged_attention(query.data, k_cache.data, v_cache.data, tables.data, context_lens.data,
+                                            cu.data, out, query.shape[0], batch, tables.shape[1], k_cache.shape[0],
+                                            dims, block_size, &runner));
+  }
+};
+
+struct SelfAttention {
+  static constexpr const char *name = "SelfAttention";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32, I32};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  pg_attention_dims dims{};
+
+  OrtStatus *init(const OrtKernelInfo *info) { return read_dims(info, dims); }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> query, key, value;
+    Input<int32_t> cu;
+    RETURN_IF_ERROR(get_input(context, 0, query));
+    RETURN_IF_ERROR(get_input(context, 1, key));
+    RETURN_IF_ERROR(get_input(context, 2, value));
+    RETURN_IF_ERROR(get_input(context, 3, cu));
+    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
+    const int64_t tokens = query.shape[0];
+    RETURN_IF_ERROR(check_shape("key", key.shape, {tokens, dims.kv_head_num * dims.head_dim}));
+    RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
+    if (cu.shape.size() != 1 || cu.shape[0] < 1)
+      return invalid("cu_seqlens_q has shape " + shape_text(cu.shape) + ", expected [batch + 1]");
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, query.shape, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(
+        pg_self_attention(query.data, key.data, value.data, cu.data, out, tokens, cu.shape[0] - 1, dims, &runner));
+  }
+};
+
+// Writes the new rows into the pools. The runtime binds each pool OrtValue as both the input and its
+// output (IOBinding), so ORT hands this kernel the input's own buffer and only the rows are written;
+// with separate outputs (a plain session.run) the pool is copied first, as the function body would.
+struct ReshapeAndCache {
+  static constexpr const char *name = "ReshapeAndCache";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32, F32, I64};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32, F32};
+
+  OrtStatus *init(const OrtKernelInfo *) { return nullptr; }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> key, value, k_cache, v_cache;
+    Input<int64_t> slots;
+    RETURN_IF_ERROR(get_input(context, 0, key));
+    RETURN_IF_ERROR(get_input(context, 1, value));
+    RETURN_IF_ERROR(get_input(context, 2, k_cache));
+    RETURN_IF_ERROR(get_input(context, 3, v_cache));
+    RETURN_IF_ERROR(get_input(context, 4, slots));
+    RETURN_IF_ERROR(check_shape("key", key.shape, {-1, -1}));
+    const int64_t tokens = key.shape[0], width = key.shape[1];
+    RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
+    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, width}));
+    RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
+    RETURN_IF_ERROR(check_shape("slot_mapping", slots.shape, {tokens}));
+    float *k_out, *v_out;
+    RETURN_IF_ERROR(get_output(context, 0, k_cache.shape, k_out));
+    RETURN_IF_ERROR(get_output(context, 1, v_cache.shape, v_out));
+    const size_t pool_bytes = sizeof(float) * k_cache.shape[0] * width;
+    if (k_out != k_cache.data) std::memcpy(k_out, k_cache.data, pool_bytes);
+    if (v_out != v_cache.data) std::memcpy(v_out, v_cache.data, pool_bytes);
+    const pg_runner runner = runner_of(context);
+    return kernel_status(
+        pg_reshape_and_cache(key.data, value.data, k_out, v_out, slots.data, tokens, width, k_cache.shape[0], &runner));
+  }
+};
+
+// The OrtCustomOp of `Kernel`: its name and types, and callbacks that create, run and destroy it.
+template <class Kernel>
+struct CustomOp : OrtCustomOp {
+  CustomOp() : OrtCustomOp{} {
+    version = ORT_API_VERSION;
+    GetName = [](const OrtCustomOp *) { return Kernel::name; };
+    GetExecutionProviderType = [](const OrtCustomOp *) -> const char * { return nullptr; };  // CPU
+    GetInputTypeCount = [](const OrtCustomOp *) { return std::size(Kernel::inputs); };
+    GetInputType = [](const OrtCustomOp *, size_t i) { return Kernel::inputs[i]; };
+    GetOutputTypeCount = [](const OrtCustomOp *) { return std::size(Kernel::outputs); };
+    GetOutputType = [](const OrtCustomOp *, size_t i) { return Kernel::outputs[i]; };
+    GetInputCharacteristic = [](const OrtCustomOp *, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp *, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp *, size_t) { return OrtMemTypeDefault; };
+    GetStartVersion = [](const OrtCustomOp *) { return 1; };
+    GetEndVersion = [](const OrtCustomOp *) { return 1; };  // the `atb` opset the exporter writes
+    CreateKernelV2 = [](const OrtCustomOp *, const OrtApi *, const OrtKernelInfo *info, void **kernel) -> OrtStatus * {
+      auto *created = new Kernel();
+      if (OrtStatus *status = created->init(info)) {
+        delete created;
+        return status;
+      }
+      *kernel = created;
+      return nullptr;
+    };
+    KernelComputeV2 = [](void *kernel, OrtKernelContext *context) -> OrtStatus * {
+      return static_cast<const Kernel *>(kernel)->compute(context);
+    };
+    KernelDestroy = [](void *kernel) { delete static_cast<Kernel *>(kernel); };
+  }
+};
+
+CustomOp<PagedAttention> paged_attention_op;
+CustomOp<ReshapeAndCache> reshape_and_cache_op;
+CustomOp<SelfAttention> self_attention_op;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                               const OrtApiBase *base) {
+  api = base->GetApi(ORT_API_VERSION);
+  if (api == nullptr)
+    return base->GetApi(1)->CreateStatus(
+        ORT_FAIL, ("onnxruntime " + std::string(base->GetVersionString()) + " predates C API version " +
+                   std::to_string(ORT_API_VERSION) + ", the header this library was built with")
+                      .c_str());
+  // The domain must outlive every session made from `options`: it is kept for the process.
+  OrtCustomOpDomain *domain;
+  RETURN_IF_ERROR(api->CreateCustomOpDomain("atb", &domain));
+  for (OrtCustomOp *op : {static_cast<OrtCustomOp *>(&paged_attention_op),
+                          static_cast<OrtCustomOp *>(&reshape_and_cache_op),
+                          static_cast<OrtCustomOp *>(&self_attention_op)}) {
+    if (OrtStatus *status = api->CustomOpDomain_Add(domain, op)) {
+      api->ReleaseCustomOpDomain(domain);
+      return status;
+    }
+  }
+  return api->AddCustomOpDomain(options, domain);
+}
