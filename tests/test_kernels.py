@@ -112,6 +112,19 @@ def test_long_prefill_chunk_after_cached_prefix(head_num: int, kv_head_num: int,
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 rows take the parallel path
+def test_rope_and_swiglu_match_references(tokens: int) -> None:
+    rng = np.random.default_rng(tokens)
+    head_dim = 64
+    angles = rng.uniform(0, 100, (tokens, head_dim // 2))
+    cos, sin = (np.concatenate([f(angles)] * 2, axis=1).astype(np.float32) for f in (np.cos, np.sin))
+    x = rng.standard_normal((tokens, 9 * head_dim)).astype(np.float32)
+    np.testing.assert_allclose(binding.rope(x, cos, sin, head_dim), ops.rope(x, cos, sin, head_dim),
+                               rtol=1e-5, atol=1e-5)
+    gate_up = (rng.standard_normal((tokens, 2 * 1536)) * 8).astype(np.float32)  # into silu's tails
+    np.testing.assert_allclose(binding.swiglu(gate_up), ops.swiglu(gate_up), rtol=1e-5, atol=1e-5)
+
+
 def test_out_of_pool_indices_are_errors_not_writes() -> None:
     pool = np.zeros((32, 8), np.float32)
     row = np.ones((1, 8), np.float32)

@@ -6,55 +6,26 @@
 // Every index is checked before anything is read or written: a bad slot or block id is an error,
 // never a write outside the pool.
 //
-// Attention is flash-style: a work item is one kv head of a tile of up to kTileRows query rows of one
-// sequence (a decode row is a tile of one), so the G query heads of the group and all rows of the
-// tile share each key and value row while it is in L1, and softmax runs online over chunks of kChunk
-// keys, so no score row longer than a chunk is ever stored.
-#include <omp.h>
-
+// Attention is flash-style: a work item is a tile of up to kTileRows query rows of one sequence (a
+// decode row is a tile of one) against one kv head (prefill) or all of them (decode), so every query
+// head of the item shares each key and value row while it is in L1, and softmax runs online over
+// chunks of kChunk keys, so no score row longer than a chunk is ever stored.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "kernels.h"
+#include "common.h"
 
 namespace {
 
+using pg::exp8, pg::f32x8, pg::fail, pg::kLanes, pg::load8, pg::store8;
+
 constexpr int64_t kTileRows = 16;  // query rows of one sequence per work item
 constexpr int64_t kChunk = 24;     // keys per online-softmax step
-
-thread_local std::string last_error;
-std::atomic<int> thread_limit{0};  // 0: OpenMP's default (OMP_NUM_THREADS or all cores)
-
-int threads() {
-  const int limit = thread_limit.load(std::memory_order_relaxed);
-  return limit > 0 ? limit : omp_get_max_threads();
-}
-
-int fail(const std::string &message) {
-  last_error = message;
-  std::fprintf(stderr, "pagedgraph kernel: %s\n", message.c_str());
-  return 1;
-}
-
-// body(item) for every item in [0, items): on the host's pool when one is given, else OpenMP.
-template <class Body>
-void parallel_for(const pg_runner *runner, int64_t items, const Body &body) {
-  if (items <= 0) return;
-  if (runner != nullptr) {
-    auto call = [](void *ctx, size_t item) { (*static_cast<const Body *>(ctx))(static_cast<int64_t>(item)); };
-    runner->parallel_for(runner->pool, call, const_cast<Body *>(&body), static_cast<size_t>(items));
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads()) if (items > 1)
-  for (int64_t item = 0; item < items; ++item) body(item);
-}
 
 // K/V rows of one sequence, addressed by position in that sequence.
 struct PagedRows {
@@ -73,33 +44,11 @@ struct PackedRows {
   const float *v(int64_t j) const { return value + (first + j) * width; }
 };
 
-// Eight floats as one value (GCC/Clang vector extension: AVX on x86, two NEON registers on ARM).
-typedef float f32x8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
-inline f32x8 load8(const float *p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-// exp(x) for the softmax's x <= 0 (libm's expf does not vectorize): x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by its degree-7 Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the exponent bits.
-inline f32x8 exp8(f32x8 x) {
-  x = x < -87.f ? f32x8{} - 87.f : x;
-  const f32x8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 drops the fraction
-  const f32x8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  f32x8 p = f32x8{} + 1.f / 5040;
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  return p * __builtin_bit_cast(f32x8, bits);
-}
-
-// One kv head's slice of a tile: `rows` query rows `stride` floats apart, each holding the `group`
-// query heads of that kv head; row i sees keys 0..first_limit + i. Head h = i * group + g below.
+// One work item: `rows` query rows of one sequence, `stride` floats apart, against kv heads
+// kv_head..kv_head + kv_heads - 1; row i sees keys 0..first_limit + i. Per kv head, head h = i * group + g
+// is query head (kv_head + k) * group + g of row i.
 struct TileShape {
-  int64_t rows, stride, first_limit, kv_head, group, head_dim;
+  int64_t rows, stride, first_limit, kv_head, kv_heads, group, head_dim;
   float scale;
   int64_t heads() const { return rows * group; }
   // Head vectors per score tile: two for prefill tiles, one for decode's few heads.
@@ -109,34 +58,59 @@ struct TileShape {
     const int64_t step = head_vectors() * kLanes;
     return (heads() + step - 1) / step * step;
   }
-  const float *query_of(const float *q, int64_t h) const { return q + (h / group) * stride + (h % group) * head_dim; }
+  // Query (and output) offset of head h of the item's k-th kv head, from the item's first row and kv head.
+  int64_t offset_of(int64_t k, int64_t h) const { return (h / group) * stride + (k * group + h % group) * head_dim; }
 };
 
-// Per-thread buffers, grown on demand and reused by every later item on that thread. Scores and
-// softmax state are head-minor ([key][head], [head]), so the online softmax runs across heads in
-// vectors; queries are stored transposed ([D][head]) for the same reason.
-struct Scratch {
-  std::vector<float> query_t, acc, scores, peak, total, last_key, correction;
-  void fit(int64_t padded, int64_t head_dim) {
-    const auto grow = [](std::vector<float> &v, int64_t n) { if (static_cast<int64_t>(v.size()) < n) v.resize(n); };
-    grow(query_t, head_dim * padded);
-    grow(acc, padded * head_dim);
-    grow(scores, kChunk * padded);
-    grow(peak, padded);
-    grow(total, padded);
-    grow(last_key, padded);
-    grow(correction, padded);
-  }
+// One kv head's softmax state and buffers. Scores and softmax state are head-minor ([key][head],
+// [head]), so the online softmax runs across heads in vectors; queries are stored transposed
+// ([D][head]) for the same reason.
+struct HeadState {
+  float *query_t, *acc, *scores, *peak, *total, *last_key, *correction;
 };
+
+// Per-thread buffers, grown on demand and reused by every later item on that thread.
+class Scratch {
+ public:
+  HeadState state(int64_t k, int64_t padded, int64_t head_dim) {
+    float *p = buffer_.data() + k * per_head(padded, head_dim);
+    HeadState s;
+    s.query_t = p, p += head_dim * padded;
+    s.acc = p, p += padded * head_dim;
+    s.scores = p, p += kChunk * padded;
+    s.peak = p, s.total = p + padded, s.last_key = p + 2 * padded, s.correction = p + 3 * padded;
+    return s;
+  }
+  void fit(int64_t kv_heads, int64_t padded, int64_t head_dim) {
+    const size_t size = kv_heads * per_head(padded, head_dim);
+    if (buffer_.size() < size) buffer_.resize(size);
+  }
+
+ private:
+  static int64_t per_head(int64_t padded, int64_t head_dim) { return padded * (2 * head_dim + kChunk + 4); }
+  std::vector<float> buffer_;
+};
+
+// Asks for the rows of keys [begin, end) (the next chunk) while this one is computed: the block table
+// knows where they are, the hardware prefetcher does not (blocks are scattered over the pool).
+template <class Rows>
+void prefetch(const Rows &kv, int64_t begin, int64_t end, int64_t offset, int64_t width) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t j = begin; j < end; ++j)
+    for (int64_t x = 0; x < width; x += kLine) {
+      __builtin_prefetch(kv.k(j) + offset + x);
+      __builtin_prefetch(kv.v(j) + offset + x);
+    }
+}
 
 // scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of
 // heads (12 accumulators keep both FMA pipes busy; 8 were 1.4x slower) or 8 keys x 1 for decode:
 // each key element is broadcast once per tile, each query vector loaded once per d.
 template <int64_t HV, class Rows>
-void chunk_scores(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, int64_t n) {
+void chunk_scores(const HeadState &s, const TileShape &t, const Rows &kv, int64_t offset, int64_t j0, int64_t n) {
   constexpr int64_t kKeys = HV == 2 ? 6 : 8;
   static_assert(kChunk % kKeys == 0, "key tiles must not straddle a chunk");
-  const int64_t dim = t.head_dim, offset = t.kv_head * dim, padded = t.padded();
+  const int64_t dim = t.head_dim, padded = t.padded();
   const float *keys[kChunk];
   for (int64_t j = 0; j < kChunk; ++j) keys[j] = kv.k(j0 + std::min(j, n - 1)) + offset;  // j >= n: masked later
   for (int64_t h = 0; h < padded; h += HV * kLanes) {
@@ -156,7 +130,7 @@ void chunk_scores(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, in
 
 // Online softmax over one chunk, in vectors of heads: scores become exp(score - running peak), 0 past
 // each head's last visible key, and `correction[h]` rescales what head h accumulated before.
-void chunk_softmax(Scratch &s, const TileShape &t, int64_t j0, int64_t n) {
+void chunk_softmax(const HeadState &s, const TileShape &t, int64_t j0, int64_t n) {
   const int64_t padded = t.padded();
   for (int64_t h = 0; h < padded; h += kLanes) {
     const f32x8 last = load8(&s.last_key[h]), peak = load8(&s.peak[h]);
@@ -182,9 +156,9 @@ void chunk_softmax(Scratch &s, const TileShape &t, int64_t j0, int64_t n) {
 // acc_h = acc_h * correction_h + sum_j p[j][h] v_{j0+j}, in register tiles of kHeads heads x W
 // vectors of D (compile-time sizes, so the tile stays in registers).
 template <int64_t W, class Rows>
-void chunk_values(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, int64_t n) {
+void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_t offset, int64_t j0, int64_t n) {
   constexpr int64_t kHeads = 4;
-  const int64_t dim = t.head_dim, offset = t.kv_head * dim, padded = t.padded();
+  const int64_t dim = t.head_dim, padded = t.padded();
   const float *values[kChunk];
   for (int64_t j = 0; j < n; ++j) values[j] = kv.v(j0 + j) + offset;
   for (int64_t h = 0; h < t.heads(); h += kHeads) {
@@ -207,36 +181,47 @@ void chunk_values(Scratch &s, const TileShape &t, const Rows &kv, int64_t j0, in
 
 template <class Rows>
 void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv) {
-  thread_local Scratch s;
+  thread_local Scratch scratch;
   const int64_t heads = t.heads(), padded = t.padded(), dim = t.head_dim;
-  s.fit(padded, dim);
-  for (int64_t h = 0; h < padded; ++h) {
-    const float *q = h < heads ? t.query_of(query, h) : nullptr;
-    for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
-    s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
+  scratch.fit(t.kv_heads, padded, dim);
+  for (int64_t k = 0; k < t.kv_heads; ++k) {
+    const HeadState s = scratch.state(k, padded, dim);
+    for (int64_t h = 0; h < padded; ++h) {
+      const float *q = h < heads ? query + t.offset_of(k, h) : nullptr;
+      for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
+      s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
+    }
+    std::fill(s.acc, s.acc + padded * dim, 0.f);
+    std::fill(s.peak, s.peak + padded, -INFINITY);
+    std::fill(s.total, s.total + padded, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + padded * dim, 0.f);
-  std::fill(s.peak.begin(), s.peak.begin() + padded, -INFINITY);
-  std::fill(s.total.begin(), s.total.begin() + padded, 0.f);
   const int64_t keys = t.first_limit + t.rows;  // the tile's last row sees keys 0..keys-1
   for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
     const int64_t n = std::min(kChunk, keys - j0);
-    if (t.head_vectors() == 2) {
-      chunk_scores<2>(s, t, kv, j0, n);
-    } else {
-      chunk_scores<1>(s, t, kv, j0, n);
-    }
-    chunk_softmax(s, t, j0, n);
-    if (dim % (2 * kLanes)) {
-      chunk_values<1>(s, t, kv, j0, n);
-    } else {
-      chunk_values<2>(s, t, kv, j0, n);
+    prefetch(kv, j0 + kChunk, std::min(keys, j0 + 2 * kChunk), t.kv_head * dim, t.kv_heads * dim);
+    for (int64_t k = 0; k < t.kv_heads; ++k) {  // every kv head while the chunk's rows are in L1
+      const HeadState s = scratch.state(k, padded, dim);
+      const int64_t offset = (t.kv_head + k) * dim;
+      if (t.head_vectors() == 2) {
+        chunk_scores<2>(s, t, kv, offset, j0, n);
+      } else {
+        chunk_scores<1>(s, t, kv, offset, j0, n);
+      }
+      chunk_softmax(s, t, j0, n);
+      if (dim % (2 * kLanes)) {
+        chunk_values<1>(s, t, kv, offset, j0, n);
+      } else {
+        chunk_values<2>(s, t, kv, offset, j0, n);
+      }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float *o = out + (t.query_of(query, h) - query);
-    const float inv = 1.f / s.total[h];
-    for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
+  for (int64_t k = 0; k < t.kv_heads; ++k) {
+    const HeadState s = scratch.state(k, padded, dim);
+    for (int64_t h = 0; h < heads; ++h) {
+      float *o = out + t.offset_of(k, h);
+      const float inv = 1.f / s.total[h];
+      for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
+    }
   }
 }
 
@@ -262,33 +247,43 @@ void zero_padding(float *out, const int32_t *cu, int64_t batch, int64_t tokens, 
   std::memset(out + cu[batch] * width, 0, sizeof(float) * (tokens - cu[batch]) * width);
 }
 
-struct Tile {
-  int64_t seq, first_row, rows;
+// A work item: rows of one sequence against a run of kv heads (see TileShape).
+struct Item {
+  int64_t seq, first_row, rows, kv_head, kv_heads;
 };
 
-// Every sequence's query rows cut into tiles of one sequence each (a decode row is a tile of one).
-const std::vector<Tile> &tiles_of(const int32_t *cu, int64_t batch) {
-  thread_local std::vector<Tile> tiles;
-  tiles.clear();
+// Every sequence's query rows cut into tiles of one sequence each. A prefill tile is one item per kv
+// head (parallel work for long prompts); a decode row is one item over all kv heads, so each key and
+// value row is read whole and once, in order (decode is bound by moving the context).
+const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads) {
+  thread_local std::vector<Item> items;
+  items.clear();
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) tiles.push_back({b, r, std::min<int64_t>(kTileRows, cu[b + 1] - r)});
-  return tiles;
+    for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, cu[b + 1] - r);
+      if (rows == 1) {
+        items.push_back({b, r, 1, 0, kv_heads});
+      } else {
+        for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 1});
+      }
+    }
+  return items;
 }
 
-// Attention for every tile and kv head, in parallel. `rows_of(b, r)` gives the K/V rows of sequence b
-// and the last key index its packed row r may see.
+// Attention for every item, in parallel. `rows_of(b, r)` gives the K/V rows of sequence b and the last
+// key index its packed row r may see.
 template <class RowsOf>
-void for_each_tile(const float *query, float *out, const int32_t *cu, int64_t batch, int64_t tokens,
+void for_each_item(const float *query, float *out, const int32_t *cu, int64_t batch, int64_t tokens,
                    const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of) {
   const int64_t group = dims.head_num / dims.kv_head_num, q_width = dims.head_num * dims.head_dim;
   zero_padding(out, cu, batch, tokens, q_width);
-  const std::vector<Tile> &tiles = tiles_of(cu, batch);
-  parallel_for(runner, static_cast<int64_t>(tiles.size()) * dims.kv_head_num, [&](int64_t item) {
-    const Tile &tile = tiles[item / dims.kv_head_num];
-    const int64_t kv_head = item % dims.kv_head_num;
-    const auto [rows, first_limit] = rows_of(tile.seq, tile.first_row);
-    const TileShape shape{tile.rows, q_width, first_limit, kv_head, group, dims.head_dim, dims.qk_scale};
-    const int64_t offset = tile.first_row * q_width + kv_head * group * dims.head_dim;
+  const std::vector<Item> &items = items_of(cu, batch, dims.kv_head_num);
+  pg::parallel_for(runner, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item &item = items[i];
+    const auto [rows, first_limit] = rows_of(item.seq, item.first_row);
+    const TileShape shape{item.rows, q_width, first_limit, item.kv_head, item.kv_heads, group, dims.head_dim,
+                          dims.qk_scale};
+    const int64_t offset = item.first_row * q_width + item.kv_head * group * dims.head_dim;
     attend_tile(query + offset, out + offset, shape, rows);
   });
 }
@@ -296,10 +291,6 @@ void for_each_tile(const float *query, float *out, const int32_t *cu, int64_t ba
 }  // namespace
 
 extern "C" {
-
-const char *pg_last_error() { return last_error.c_str(); }
-
-void pg_set_threads(int count) { thread_limit.store(count, std::memory_order_relaxed); }
 
 int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
                          const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
@@ -313,7 +304,7 @@ int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, f
     std::memcpy(v_cache + slot_mapping[t] * width, value + t * width, sizeof(float) * width);
   };
   if (tokens * width > (1 << 16)) {
-    parallel_for(runner, tokens, write);
+    pg::parallel_for(runner, tokens, write);
   } else {
     for (int64_t t = 0; t < tokens; ++t) write(t);
   }
@@ -341,7 +332,7 @@ int pg_paged_attention(const float *query, const float *k_cache, const float *v_
     }
   }
   const int64_t kv_width = dims.kv_head_num * dims.head_dim;
-  for_each_tile(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
+  for_each_item(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
     const PagedRows rows{k_cache, v_cache, block_tables + b * max_blocks, block_size, kv_width};
     return std::make_pair(rows, context_lens[b] - (cu_seqlens_q[b + 1] - r));  // position of query row r
   });
@@ -353,7 +344,7 @@ int pg_self_attention(const float *query, const float *key, const float *value, 
   if (int rc = check_heads(dims)) return rc;
   if (int rc = check_cu(cu_seqlens_q, batch, tokens)) return rc;
   const int64_t kv_width = dims.kv_head_num * dims.head_dim;
-  for_each_tile(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
+  for_each_item(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
     return std::make_pair(PackedRows{key, value, cu_seqlens_q[b], kv_width}, r - cu_seqlens_q[b]);
   });
   return 0;

@@ -73,6 +73,22 @@ def self_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seq
     return out
 
 
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, head_dim: int) -> np.ndarray:
+    f = np.float32
+    out = np.empty_like(x)
+    _check(_library().pg_rope(_ptr(x, f), _ptr(cos, f), _ptr(sin, f), _ptr(out, f), ctypes.c_int64(x.shape[0]),
+                              ctypes.c_int64(x.shape[1] // head_dim), ctypes.c_int64(head_dim), None))
+    return out
+
+
+def swiglu(x: np.ndarray) -> np.ndarray:
+    f = np.float32
+    out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+    _check(_library().pg_swiglu(_ptr(x, f), _ptr(out, f), ctypes.c_int64(x.shape[0]), ctypes.c_int64(out.shape[1]),
+                                None))
+    return out
+
+
 def set_threads(count: int) -> None:
     """Threads of every later kernel call in this process, MindSpore's calls included (same library)."""
     _library().pg_set_threads(ctypes.c_int(count))

@@ -1,5 +1,5 @@
-// C API of the pagedgraph kernels: plain C types, so ctypes (tests) and the MindSpore AOT
-// wrappers call the same functions. Each returns 0, or non-zero with pg_last_error() set.
+// C API of the pagedgraph kernels: plain C types, so ctypes (tests), the MindSpore AOT wrappers and
+// the ONNX Runtime custom ops call the same functions. Each returns 0, or non-zero with pg_last_error() set.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -37,4 +37,12 @@ int pg_paged_attention(const float *query, const float *k_cache, const float *v_
 
 int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,
                       float *out, int64_t tokens, int64_t batch, pg_attention_dims dims, const pg_runner *runner);
+
+// Rotate-half rope of x [tokens, heads * head_dim] with per-token cos/sin [tokens, head_dim] (halves
+// duplicated, as graphs/rope_tables builds them) into out; head_dim a multiple of 16.
+int pg_rope(const float *x, const float *cos, const float *sin, float *out, int64_t tokens, int64_t heads,
+            int64_t head_dim, const pg_runner *runner);
+
+// out [tokens, width] = silu(gate) * up for x = [gate | up] [tokens, 2 * width]; width a multiple of 8.
+int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const pg_runner *runner);
 }

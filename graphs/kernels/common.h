@@ -1,0 +1,58 @@
+// What every kernel source shares: errors, the thread setting, the parallel loop, 8-float vectors.
+#pragma once
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "kernels.h"
+
+namespace pg {
+
+// Records `message` for pg_last_error() (and stderr); returns the non-zero status to pass on.
+int fail(const std::string &message);
+
+// OpenMP threads for kernels called without a runner (pg_set_threads).
+int threads();
+
+// body(item) for every item in [0, items): on the host's pool when one is given, else OpenMP.
+template <class Body>
+void parallel_for(const pg_runner *runner, int64_t items, const Body &body) {
+  if (items <= 0) return;
+  if (runner != nullptr) {
+    auto call = [](void *ctx, size_t item) { (*static_cast<const Body *>(ctx))(static_cast<int64_t>(item)); };
+    runner->parallel_for(runner->pool, call, const_cast<Body *>(&body), static_cast<size_t>(items));
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads()) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) body(item);
+}
+
+// Eight floats as one value (GCC/Clang vector extension: AVX on x86, two NEON registers on ARM).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline f32x8 load8(const float *p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x), vectorized (libm's expf is not), for x clamped to [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by its degree-7 Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the exponent bits.
+inline f32x8 exp8(f32x8 x) {
+  x = x < -87.f ? f32x8{} - 87.f : x;
+  x = x > 88.f ? f32x8{} + 88.f : x;
+  const f32x8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 drops the fraction
+  const f32x8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  f32x8 p = f32x8{} + 1.f / 5040;
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  return p * __builtin_bit_cast(f32x8, bits);
+}
+
+}  // namespace pg
