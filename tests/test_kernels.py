@@ -112,6 +112,21 @@ def test_long_prefill_chunk_after_cached_prefix(head_num: int, kv_head_num: int,
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("context_lens", [[700], [64, 200, 129], [1000] * 9])
+def test_few_decodes_split_their_keys_across_threads(context_lens: list[int]) -> None:
+    """Fewer than 8 decode rows split their keys into parts whose softmax states are merged."""
+    rng = np.random.default_rng(len(context_lens))
+    block_size, batch = 16, len(context_lens)
+    max_blocks = -(-max(context_lens) // block_size)
+    tables = rng.permutation(np.arange(1, batch * max_blocks + 1)).reshape(batch, max_blocks).astype(np.int32)
+    pools = [rng.standard_normal(((batch * max_blocks + 1) * block_size, 3 * 64)).astype(np.float32) for _ in range(2)]
+    query = rng.standard_normal((batch, 9 * 64)).astype(np.float32)
+    step = (tables, np.array(context_lens, np.int32), np.arange(batch + 1, dtype=np.int32))
+    attrs = dict(head_num=9, kv_head_num=3, qk_scale=0.125, block_size=block_size)
+    np.testing.assert_allclose(binding.paged_attention(query, *pools, *step, **attrs),
+                               ops.paged_attention(query, *pools, *step, **attrs), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 rows take the parallel path
 def test_rope_and_swiglu_match_references(tokens: int) -> None:
     rng = np.random.default_rng(tokens)

@@ -114,6 +114,21 @@ def test_self_attention_equals_reference(library: Path) -> None:
     np.testing.assert_allclose(got, ops.self_attention(*inputs.values(), **ATTRS), rtol=1e-4, atol=1e-5)
 
 
+def test_rope_and_swiglu_equal_references(library: Path) -> None:
+    rng = np.random.default_rng(5)
+    tokens = 37
+    angles = rng.uniform(0, 50, (tokens, HEAD_DIM // 2))
+    cos, sin = (np.concatenate([f(angles)] * 2, axis=1).astype(np.float32) for f in (np.cos, np.sin))
+    inputs = {"query": rng.standard_normal((tokens, HEADS * HEAD_DIM), dtype=np.float32),
+              "key": rng.standard_normal((tokens, KV_HEADS * HEAD_DIM), dtype=np.float32), "cos": cos, "sin": sin}
+    got = _session(_model("Rope", inputs, ["q_out", "k_out"]), library).run(None, inputs)
+    for g, x in zip(got, (inputs["query"], inputs["key"])):
+        np.testing.assert_allclose(g, ops.rope(x, cos, sin, HEAD_DIM), rtol=1e-5, atol=1e-5)
+    x = {"x": (rng.standard_normal((tokens, 2 * 96)) * 6).astype(np.float32)}
+    (got,) = _session(_model("SwiGLU", x, ["y"]), library).run(None, x)
+    np.testing.assert_allclose(got, ops.swiglu(x["x"]), rtol=1e-5, atol=1e-5)
+
+
 def _cache_inputs(seed: int, num_slots: int = 40 * BLOCK_SIZE) -> dict[str, np.ndarray]:
     """This step's rows: distinct real slots, then padding tokens into the null block (identical rows there)."""
     rng = np.random.default_rng(seed)

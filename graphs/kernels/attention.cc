@@ -50,6 +50,8 @@ struct PackedRows {
 struct TileShape {
   int64_t rows, stride, first_limit, kv_head, kv_heads, group, head_dim;
   float scale;
+  int64_t key_begin, key_end;  // the keys this item reads: all the tile sees, or one part of a split decode
+  float *partial;              // a split decode's softmax state goes here (see Partials), else nullptr
   int64_t heads() const { return rows * group; }
   // Head vectors per score tile: two for prefill tiles, one for decode's few heads.
   int64_t head_vectors() const { return heads() > kLanes ? 2 : 1; }
@@ -195,10 +197,9 @@ void attend_tile(const float *query, float *out, const TileShape &t, const Rows 
     std::fill(s.peak, s.peak + padded, -INFINITY);
     std::fill(s.total, s.total + padded, 0.f);
   }
-  const int64_t keys = t.first_limit + t.rows;  // the tile's last row sees keys 0..keys-1
-  for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
-    const int64_t n = std::min(kChunk, keys - j0);
-    prefetch(kv, j0 + kChunk, std::min(keys, j0 + 2 * kChunk), t.kv_head * dim, t.kv_heads * dim);
+  for (int64_t j0 = t.key_begin; j0 < t.key_end; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, t.key_end - j0);
+    prefetch(kv, j0 + kChunk, std::min(t.key_end, j0 + 2 * kChunk), t.kv_head * dim, t.kv_heads * dim);
     for (int64_t k = 0; k < t.kv_heads; ++k) {  // every kv head while the chunk's rows are in L1
       const HeadState s = scratch.state(k, padded, dim);
       const int64_t offset = (t.kv_head + k) * dim;
@@ -218,6 +219,12 @@ void attend_tile(const float *query, float *out, const TileShape &t, const Rows 
   for (int64_t k = 0; k < t.kv_heads; ++k) {
     const HeadState s = scratch.state(k, padded, dim);
     for (int64_t h = 0; h < heads; ++h) {
+      if (t.partial) {  // a decode row: head h of kv head k is query head (kv_head + k) * group + h
+        float *state = t.partial + ((t.kv_head + k) * t.group + h) * (dim + 2);
+        std::copy(s.acc + h * dim, s.acc + (h + 1) * dim, state);
+        state[dim] = s.peak[h], state[dim + 1] = s.total[h];
+        continue;
+      }
       float *o = out + t.offset_of(k, h);
       const float inv = 1.f / s.total[h];
       for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
@@ -247,27 +254,71 @@ void zero_padding(float *out, const int32_t *cu, int64_t batch, int64_t tokens, 
   std::memset(out + cu[batch] * width, 0, sizeof(float) * (tokens - cu[batch]) * width);
 }
 
-// A work item: rows of one sequence against a run of kv heads (see TileShape).
+// A work item: rows of one sequence against a run of kv heads and a range of keys (see TileShape).
 struct Item {
-  int64_t seq, first_row, rows, kv_head, kv_heads;
+  int64_t seq, first_row, rows, kv_head, kv_heads, key_begin, key_end;
+  int64_t part;  // >= 0: one of `parts` key ranges of a split decode row, its slot in Partials
+  int64_t parts;
 };
+
+constexpr int64_t kSplitItems = 8;  // a step with fewer items splits its decode rows' keys, to this many
+constexpr int64_t kSplitKeys = 64;  // keys per part, at least
 
 // Every sequence's query rows cut into tiles of one sequence each. A prefill tile is one item per kv
 // head (parallel work for long prompts); a decode row is one item over all kv heads, so each key and
-// value row is read whole and once, in order (decode is bound by moving the context).
-const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads) {
+// value row is read whole and once, in order (decode is bound by moving the context). A step with
+// few items (single-stream decode) splits each decode row's keys into parts the pool runs at once;
+// the parts' softmax states are merged afterwards (merge_parts).
+template <class RowsOf>
+const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads, RowsOf rows_of) {
   thread_local std::vector<Item> items;
   items.clear();
+  int64_t unsplit = 0, decode_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    decode_rows += q_len == 1;
+    unsplit += q_len == 1 ? 1 : (q_len + kTileRows - 1) / kTileRows * kv_heads;
+  }
+  const int64_t parts_wanted = unsplit < kSplitItems ? (kSplitItems + decode_rows - 1) / std::max<int64_t>(decode_rows, 1) : 1;
+  int64_t next_part = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, cu[b + 1] - r);
-      if (rows == 1) {
-        items.push_back({b, r, 1, 0, kv_heads});
-      } else {
-        for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 1});
+      const int64_t rows = std::min<int64_t>(kTileRows, cu[b + 1] - r), keys = rows_of(b, r).second + rows;
+      if (rows > 1) {
+        for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 1, 0, keys, -1, 1});
+        continue;
       }
+      const int64_t parts = std::max<int64_t>(1, std::min(parts_wanted, keys / kSplitKeys));
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({b, r, 1, 0, kv_heads, keys * p / parts, keys * (p + 1) / parts, parts > 1 ? next_part + p : -1, parts});
+      next_part += parts > 1 ? parts : 0;
     }
   return items;
+}
+
+// Per part of a split decode row, per query head: acc [D] (unnormalized), peak, total.
+using Partials = std::vector<float>;
+
+// out = sum_p e^(peak_p - m) acc_p / sum_p e^(peak_p - m) total_p over each split row's parts (m: their max).
+void merge_parts(const std::vector<Item> &items, const Partials &partials, float *out, int64_t q_width,
+                 int64_t heads, int64_t dim) {
+  for (const Item &item : items) {
+    if (item.part < 0 || item.key_begin != 0) continue;  // each split row once, at its first part
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto state = [&](int64_t p) { return partials.data() + ((item.part + p) * heads + h) * (dim + 2); };
+      float top = -INFINITY;
+      for (int64_t p = 0; p < item.parts; ++p) top = std::max(top, state(p)[dim]);
+      float *o = out + item.first_row * q_width + h * dim;
+      std::fill(o, o + dim, 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < item.parts; ++p) {
+        const float weight = std::exp(state(p)[dim] - top);
+        total += weight * state(p)[dim + 1];
+        for (int64_t d = 0; d < dim; ++d) o[d] += weight * state(p)[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    }
+  }
 }
 
 // Attention for every item, in parallel. `rows_of(b, r)` gives the K/V rows of sequence b and the last
@@ -277,15 +328,22 @@ void for_each_item(const float *query, float *out, const int32_t *cu, int64_t ba
                    const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of) {
   const int64_t group = dims.head_num / dims.kv_head_num, q_width = dims.head_num * dims.head_dim;
   zero_padding(out, cu, batch, tokens, q_width);
-  const std::vector<Item> &items = items_of(cu, batch, dims.kv_head_num);
+  const std::vector<Item> &items = items_of(cu, batch, dims.kv_head_num, rows_of);
+  thread_local Partials partials;
+  int64_t split_parts = 0;
+  for (const Item &item : items) split_parts = std::max(split_parts, item.part + 1);
+  partials.resize(split_parts * dims.head_num * (dims.head_dim + 2));
+  float *const partial_base = partials.data();  // the pool's threads each have their own thread_locals
   pg::parallel_for(runner, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item &item = items[i];
     const auto [rows, first_limit] = rows_of(item.seq, item.first_row);
+    float *partial = item.part < 0 ? nullptr : partial_base + item.part * dims.head_num * (dims.head_dim + 2);
     const TileShape shape{item.rows, q_width, first_limit, item.kv_head, item.kv_heads, group, dims.head_dim,
-                          dims.qk_scale};
+                          dims.qk_scale, item.key_begin, item.key_end, partial};
     const int64_t offset = item.first_row * q_width + item.kv_head * group * dims.head_dim;
     attend_tile(query + offset, out + offset, shape, rows);
   });
+  merge_parts(items, partials, out, q_width, dims.head_num, dims.head_dim);
 }
 
 }  // namespace
