@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from graphs.settings import ConfigError
+from runtime.executors import CUSTOM_OPS
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -52,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
     llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
-              enable_prefix_caching=not args.no_prefix_caching, executor=args.executor)
+              enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops)
     prompts, params = [], []
     prompt_keys = ("prompt", "prompt_token_ids", "messages")
     rejected: dict[int, str] = {}
@@ -95,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     artifact = str(Path(args.artifact).resolve()) if args.artifact else None
     deployment = load_deployment(args.config, {"model.artifact": artifact, "server.host": args.host,
                                                "server.port": args.port, "kv_cache.num_blocks": args.num_blocks,
-                                               "server.api_key": args.api_key})
+                                               "server.api_key": args.api_key, "executor.custom_ops": args.custom_ops})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = deployment.model
     if not (Path(model.artifact) / MANIFEST).is_file():
@@ -125,7 +126,8 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(artifact=args.artifact, workload=args.workload, requests=args.requests, rate=args.rate,
                            seed=args.seed, baseline=None if baseline == "none" else baseline,
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
-                           chunk_tokens=args.chunk_tokens, micro=not (args.no_micro or self_compared))
+                           custom_ops=args.custom_ops, chunk_tokens=args.chunk_tokens,
+                           micro=not (args.no_micro or self_compared))
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -137,6 +139,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(results, Path(args.plot))
     return 0
+
+
+def _custom_ops_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
+    parser.add_argument("--custom-ops", dest="custom_ops", choices=CUSTOM_OPS, default=default,
+                        help=f"{what}: run the fused ops as pagedgraph's C++ ONNX Runtime kernels (auto: when "
+                             f"they build, else warn and fall back; on: or fail; off: their ONNX function bodies)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="never reuse cached KV blocks across requests")
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
+    _custom_ops_flag(p, "auto", "onnxruntime executor")
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("atc-plan", help="print the ATC commands that compile the artifact's ONNX graph for Ascend")
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, dest="num_blocks", help="override kv_cache.num_blocks")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY)")
+    _custom_ops_flag(p, None, "override executor.custom_ops")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="measure the paged engine on a workload against the naive baseline")
@@ -201,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
+    _custom_ops_flag(p, "auto", "the paged engine's onnxruntime executor (the naive baseline never uses them)")
     p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",

@@ -17,6 +17,7 @@ from graphs.contract import DECODE, PREFILL, Gear
 from graphs.manifest import Manifest
 from graphs.settings import ConfigError, Settings, load_yaml
 from runtime.engine import EngineConfig
+from runtime.executors import CustomOps
 from runtime.sampling_params import RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -95,6 +96,15 @@ class ServerSection(Settings):
 class ExecutorSection(Settings):
     name: Literal["onnxruntime", "mindspore"] = Field("onnxruntime", description="what runs the bucket graphs")
     threads: int | None = Field(None, ge=1, description="ONNX Runtime intra-op threads (default: all cores)")
+    custom_ops: CustomOps = Field("auto", description="ONNX Runtime: run the fused ops as pagedgraph's C++ kernels "
+                                                      "(auto: when they build, else warn and fall back; on: or fail; "
+                                                      "off: never); mindspore ignores it")
+
+    @field_validator("custom_ops", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the user wrote."""
+        return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 class Deployment(Settings):
@@ -161,10 +171,10 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                   if g.tokens in chosen["prefill_tokens"] and g.blocks in blocks],
         DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in chosen["decode_batch"] and g.blocks in blocks],
     }
-    kv, scheduler = deployment.kv_cache, deployment.scheduler
+    kv, scheduler, executor = deployment.kv_cache, deployment.scheduler, deployment.executor
     return EngineConfig(num_blocks=kv.num_blocks, kv_cache_bytes=kv.kv_cache_bytes, max_num_seqs=scheduler.max_num_seqs,
                         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,
                         long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
-                        enable_chunked_prefill=scheduler.enable_chunked_prefill, threads=deployment.executor.threads, gears=gears,
+                        enable_chunked_prefill=scheduler.enable_chunked_prefill, gears=gears,
                         enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
-                        executor=deployment.executor.name)
+                        executor=executor.name, threads=executor.threads, custom_ops=executor.custom_ops)

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 from graphs.contract import DECODE, PREFILL, Gear
 from graphs.manifest import Manifest
 from runtime.block_pool import CacheStats
-from runtime.executors import make_executor
+from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.packer import Packer
 from runtime.sampler import sample, top_logprobs
@@ -37,6 +37,13 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
     enable_chunked_prefill: bool = True  # false: every prompt in one step (needs max_num_batched_tokens >= max_model_len)
     executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
+    # ONNX Runtime only: the fused ops as pagedgraph's C++ custom ops; "auto" falls back (one warning) when they
+    # cannot be built, "on" raises instead, "off" runs their ONNX function bodies. MindSpore ignores it: its
+    # MINDIR graphs call pagedgraph's kernels themselves.
+    custom_ops: CustomOps = "auto"
+
+    def __post_init__(self) -> None:
+        check_custom_ops(self.custom_ops)
 
 
 @dataclass
@@ -107,7 +114,8 @@ class LLMEngine:
                                  config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill)
-        self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads)
+        self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads,
+                                      config.custom_ops)
         self.stats = EngineStats(cache=self.kv.stats)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks

@@ -33,6 +33,8 @@ class MindSporeExecutor:
         if threads:
             set_threads(threads)
         self.library = library_path()
+        # Like OrtExecutor's, for reports; None: not an ONNX Runtime setting, the MINDIR graphs call the kernels.
+        self.custom_ops: bool | None = None
         self.model = manifest.model
         self.num_slots = num_blocks * manifest.block_size
         # Zeroed: NaN/Inf in never-written slots would leak into real rows through 0 * NaN.

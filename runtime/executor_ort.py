@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from functools import cache
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -25,9 +24,8 @@ from graphs.contract import Gear
 from graphs.kernels import KernelBuildError, OrtHeaderError, ort_library_path
 from graphs.kernels.ort_headers import FETCH_COMMAND
 from graphs.manifest import Manifest
+from runtime.executors import CustomOps, check_custom_ops
 
-CustomOps = Literal["auto", "on", "off"]
-CUSTOM_OPS: tuple[CustomOps, ...] = ("auto", "on", "off")
 log = logging.getLogger(__name__)
 
 
@@ -62,8 +60,7 @@ def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
     "auto" falls back to the function bodies when the library cannot be built (no ORT header, no
     compiler) or loaded (an onnxruntime older than the header), "on" raises instead, "off" never registers.
     """
-    if mode not in CUSTOM_OPS:
-        raise ValueError(f"custom_ops = {mode!r}: choose one of {', '.join(CUSTOM_OPS)}")
+    check_custom_ops(mode)
     if mode == "off":
         return False
     try:

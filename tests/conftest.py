@@ -30,3 +30,19 @@ def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2"
     export(ExportConfig.model_validate(TEST_EXPORT), out, log=io.StringIO())
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with one gear per family: seconds to export, for tests of the runtime's plumbing."""
+    pytest.importorskip("transformers")
+    from exporter.config import ExportConfig
+    from exporter.export import export
+    from tests.tiny_models import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = make_tiny_hf_checkpoint(root / "hf", arch="llama", tie=True)
+    config = ExportConfig.model_validate({"model": {"source": str(model_dir)}, "export": {
+        "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
+    export(config, root / "artifact", log=io.StringIO())
+    return root / "artifact"

@@ -54,13 +54,16 @@ def test_poisson_bench_against_naive(smollm2_artifact: Path) -> None:
     assert set(results["decode_step_s"]) == set(results["naive_decode_step_s"]) == {"16", "48"}
     assert results["decode_step_s_one_long"] > 0
     assert set(results["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in results["naive_decode_tok_s"].values())
+    assert results["custom_ops"] is True  # "auto", and scripts/test.sh fetched the header the custom ops need
     assert "| padding waste |" in markdown_table(results) and "paged/naive" in text_table(results)
+    assert "executor onnxruntime, custom ops on" in text_table(results)
 
 
 def test_shared_prefix_compares_cache_on_and_off(smollm2_artifact: Path) -> None:
     options = BenchOptions(str(smollm2_artifact), workload="shared-prefix", requests=3, prefix_words=120,
-                           baseline=None, micro=False)
+                           baseline=None, micro=False, custom_ops="off")
     results = run_bench(options)
+    assert results["custom_ops"] is False and "custom ops off" in markdown_table(results)
     for key in ("ttft_p50_s", "ttft_p50_s_cache_off", "total_s", "total_s_cache_off"):
         assert results[key] > 0
     assert results["prefix_hit_rate"] > 0.3 and results["cache_off"]["prefix_hit_rate"] == 0

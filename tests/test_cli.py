@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagedgraph.cli import main
+from runtime.bench.suite import BenchOptions
+from runtime.engine import LLM, LLMEngine
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -64,3 +66,37 @@ def test_generate_refuses_a_non_artifact(tmp_path: Path) -> None:
     result = _cli("generate", "--artifact", str(tmp_path), "--prompt", "hi")
     assert result.returncode == 2
     assert "not a pagedgraph artifact" in result.stderr and "pagedgraph export" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       mode: str) -> None:
+    """With "on" the ops must be active: scripts/test.sh fetches the ONNX Runtime header they are built with."""
+    engines: list[LLMEngine] = []
+
+    class Recorded(LLM):
+        def __init__(self, artifact: str | Path, **config: object) -> None:
+            super().__init__(artifact, **config)
+            engines.append(self.engine)
+
+    monkeypatch.setattr("runtime.engine.LLM", Recorded)
+    assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
+                 "--custom-ops", mode]) == 0
+    assert engines[0].executor.custom_ops is (mode == "on")
+
+
+def test_bench_custom_ops_flag_reaches_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench itself on the real model: tests/test_bench.py; here only that the flag gets to it."""
+    class Ran(Exception):
+        pass
+
+    seen: list[BenchOptions] = []
+
+    def run_bench(options: BenchOptions) -> None:
+        seen.append(options)
+        raise Ran
+
+    monkeypatch.setattr("runtime.bench.suite.run_bench", run_bench)
+    with pytest.raises(Ran):
+        main(["bench", "--artifact", "unused", "--custom-ops", "off"])
+    assert seen[0].custom_ops == "off"

@@ -11,6 +11,7 @@ from graphs.manifest import Family, Manifest
 from graphs.settings import ConfigError
 from pagedgraph.cli import main
 from runtime.deploy_config import Deployment, engine_config, load_deployment
+from runtime.engine import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -46,13 +47,16 @@ def test_the_example_deployment_loads_with_paths_relative_to_it() -> None:
 
 
 def test_cli_flags_override_the_yaml(tmp_path: Path) -> None:
-    path = _write(tmp_path, "model: {artifact: art}\nserver: {port: 8000, api_key: from-yaml}\n")
+    path = _write(tmp_path, "model: {artifact: art}\nserver: {port: 8000, api_key: from-yaml}\n"
+                            "executor: {custom_ops: on}\n")  # YAML 1.1 reads a bare on as true: taken as "on"
+    assert load_deployment(path).executor.custom_ops == "on"
     deployment = load_deployment(path, {"model.artifact": "/elsewhere/art", "server.host": "0.0.0.0",
                                         "server.port": 9001, "kv_cache.num_blocks": 99, "server.api_key": "cli",
-                                        "server.max_concurrent_requests": None})
+                                        "server.max_concurrent_requests": None, "executor.custom_ops": "off"})
     assert deployment.model.artifact == "/elsewhere/art"
     assert (deployment.server.host, deployment.server.port, deployment.server.api_key) == ("0.0.0.0", 9001, "cli")
     assert deployment.kv_cache.num_blocks == 99
+    assert deployment.executor.custom_ops == "off"
     assert deployment.model_name == "art"
     assert load_deployment(path).model.artifact == str(tmp_path / "art")
 
@@ -68,6 +72,8 @@ def test_cli_flags_override_the_yaml(tmp_path: Path) -> None:
     ("model: {artifact: a}\nscheduler: {max_num_seqs: '8'}\n",
      "scheduler.max_num_seqs = '8': Input should be a valid integer"),
     ("server: {port: 80}\n", "model: Field required"),
+    ("model: {artifact: a}\nexecutor: {custom_ops: maybe}\n",
+     "executor.custom_ops = 'maybe': Input should be 'auto', 'on' or 'off'"),
 ])
 def test_schema_errors_name_the_field_and_value(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -77,14 +83,21 @@ def test_schema_errors_name_the_field_and_value(tmp_path: Path, text: str, expec
 
 def test_engine_config_serves_the_chosen_subset_of_gears() -> None:
     deployment = _deployment(buckets={"decode_batch": [1, 16], "prefill_tokens": [256]},
-                             scheduler={"max_num_seqs": 8, "max_model_len": 200}, kv_cache={"num_blocks": 77})
+                             scheduler={"max_num_seqs": 8, "max_model_len": 200}, kv_cache={"num_blocks": 77},
+                             executor={"threads": 3, "custom_ops": "off"})
     config = engine_config(deployment, _manifest(), "deploy.yaml")
     assert config.gears is not None
     assert sorted({g.seqs for g in config.gears[DECODE]}) == [1, 16]
     assert {g.tokens for g in config.gears[PREFILL]} == {256}
     assert {g.blocks for g in config.gears[PREFILL]} == set(BLOCKS)
     assert (config.num_blocks, config.max_num_seqs, config.max_model_len) == (77, 8, 200)
+    assert (config.threads, config.custom_ops) == (3, "off")
     assert config.enable_prefix_caching
+
+
+def test_engine_config_rejects_an_unknown_custom_ops_mode() -> None:
+    with pytest.raises(ValueError, match="custom_ops = 'yes': choose one of auto, on, off"):
+        EngineConfig(custom_ops="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("sections, expected", [
@@ -112,3 +125,13 @@ def test_serve_without_an_artifact_or_export_config_fails_clearly(tmp_path: Path
     err = capsys.readouterr().err
     assert f"model.artifact {tmp_path / 'missing'} is not an exported artifact" in err
     assert "model.export_config" in err
+
+
+def test_serve_custom_ops_flag_overrides_the_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")  # serve only checks it exists before launching
+    path = _write(tmp_path, "model: {artifact: art}\nexecutor: {custom_ops: auto}\n")
+    launched: list[Deployment] = []
+    monkeypatch.setattr("runtime.server.launch.serve", lambda deployment, source: launched.append(deployment))
+    assert main(["serve", "--config", str(path), "--custom-ops", "off"]) == 0
+    assert launched[0].executor.custom_ops == "off"

@@ -5,30 +5,13 @@ so a per-step copy would cost ~100x a step of the tiny model; the ratio bound is
 """
 from __future__ import annotations
 
-import io
 import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from exporter.config import ExportConfig
-from exporter.export import export
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling_params import SamplingParams
-from tests.tiny_models import make_tiny_hf_checkpoint
-
-pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("inplace")
-    model_dir = make_tiny_hf_checkpoint(root / "hf", arch="llama", tie=True)
-    config = ExportConfig.model_validate({"model": {"source": str(model_dir)}, "export": {
-        "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
-    export(config, root / "artifact", log=io.StringIO())
-    return root / "artifact"
 
 
 def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:

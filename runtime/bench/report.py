@@ -65,21 +65,28 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
     return name, table
 
 
+def _executor(results: dict[str, Any]) -> str:
+    """The paged engine's executor, and for ONNX Runtime whether the custom ops ran: they change every figure."""
+    active = results["custom_ops"]
+    return f"executor {results['executor']}" + ("" if active is None else f", custom ops {'on' if active else 'off'}")
+
+
 def text_table(results: dict[str, Any]) -> str:
     name, table = rows(results)
     lines = [("figure", "paged", name, "paged/" + name), *table]
     widths = [max(len(line[i]) for line in lines) for i in range(4)]
-    return "\n".join(f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}" for a, b, c, d in lines)
+    return "\n".join([f"paged engine: {_executor(results)}"] + [
+        f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}" for a, b, c, d in lines])
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     name, table = rows(results)
     machine = results["machine"]
     lines = [f"Workload `{results['workload']}`, {results['requests']} requests "
-             f"({results['prompt_tokens']} prompt + {results['output_tokens']} output tokens); "
-             f"{machine['cores']} cores ({machine['cpu']}), onnxruntime {machine['onnxruntime']}, load average "
-             f"{machine['load_avg_1m_at_start']:.1f} at start, {machine['load_avg_1m_at_end']:.1f} at end.", "",
-             f"| figure | paged | {name} | paged / {name} |", "|---|---:|---:|---:|"]
+             f"({results['prompt_tokens']} prompt + {results['output_tokens']} output tokens), paged engine "
+             f"{_executor(results)}; {machine['cores']} cores ({machine['cpu']}), onnxruntime {machine['onnxruntime']}, "
+             f"load average {machine['load_avg_1m_at_start']:.1f} at start, {machine['load_avg_1m_at_end']:.1f} "
+             f"at end.", "", f"| figure | paged | {name} | paged / {name} |", "|---|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table]
     return "\n".join(lines) + "\n"
 

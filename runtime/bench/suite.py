@@ -24,6 +24,7 @@ from runtime.bench.naive import NaiveRunner
 from runtime.bench.runner import run_engine, warm_up
 from runtime.bench.workloads import BenchRequest
 from runtime.engine import EngineConfig, LLMEngine
+from runtime.executors import CustomOps
 
 DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
 NO_BASELINE = ("stress",)
@@ -44,6 +45,7 @@ class BenchOptions:
     naive_batch: int = 16
     threads: int | None = None
     executor: str = "onnxruntime"  # the paged engine's; the naive baseline always runs on ONNX Runtime
+    custom_ops: CustomOps = "auto"  # the paged engine's (EngineConfig); the naive baseline never uses them
     chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
@@ -84,7 +86,8 @@ def _engine(options: BenchOptions, log: TextIO, **config: Any) -> tuple[LLMEngin
     Other executors compile each gear on its first step, so their engines first serve look-alike
     requests (the next seed: no prefix hits on the measured ones), untimed.
     """
-    engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor, **config))
+    engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor,
+                                                      custom_ops=options.custom_ops, **config))
     warm_up(engine)
     if options.executor == "onnxruntime":
         return engine, None
@@ -104,7 +107,8 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     requests = _requests(options, engine)
     print(f"paged engine ({options.executor}): {len(requests)} {options.workload} requests ...", file=log)
     record = run_engine(engine, requests)
-    record.extra["compile_pass_s"] = compile_pass_s
+    # Whether the fused ops ran as pagedgraph's custom ops ("auto" may have fallen back); None: not ONNX Runtime.
+    record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
     record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.executor.pool_bytes,
