@@ -134,9 +134,10 @@ def environment(genai_model: Path, threads: int | None) -> dict[str, Any]:
             "genai_config": json.loads((genai_model / "genai_config.json").read_text())}
 
 
-def measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+def measure(args: argparse.Namespace, log: Any) -> tuple[dict[str, Any], bool | None]:
+    """Per N, both engines' tok/s and greedy agreement; and whether our custom ops ran."""
     genai = GenaiRunner(Path(args.genai_model), args.threads)
-    engine = LLMEngine(args.artifact, EngineConfig(threads=args.threads))
+    engine = LLMEngine(args.artifact, EngineConfig(threads=args.threads, custom_ops=args.custom_ops))
     warm_up(engine)
     vocab = engine.model.vocab_size
     runs: dict[int, dict[str, list[float]]] = {n: {"genai": [], "pagedgraph": []} for n in args.counts}
@@ -163,7 +164,7 @@ def measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                            "greedy_tokens_shared_min": min(shared[n]),
                            "greedy_tokens_shared_mean": sum(shared[n]) / len(shared[n]),
                            "greedy_tokens_shared_of": args.max_tokens}
-    return results
+    return results, engine.executor.custom_ops
 
 
 def table(results: dict[str, Any]) -> str:
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     # Set it: genai left to its default ran one core's worth here (29 vs 45 tok/s single-stream at 2 threads).
     parser.add_argument("--threads", type=int, help="intra-op threads for both engines (default: each one's own)")
+    parser.add_argument("--custom-ops", choices=["auto", "on", "off"], default="auto",
+                        help="our ONNX Runtime custom ops (executor.custom_ops)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.make_hf:
@@ -196,13 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     if not (Path(args.genai_model) / "genai_config.json").exists():
         parser.error(f"--genai-model {args.genai_model}: no genai_config.json there; build it as the docstring says")
     load_start = os.getloadavg()[0]
-    results = measure(args, sys.stderr)
+    results, custom_ops = measure(args, sys.stderr)
+    print(f"pagedgraph custom ops: {'on' if custom_ops else 'off'}")
     print(table(results))
     if args.json:
         out = {"environment": environment(Path(args.genai_model), args.threads),
                "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},
                "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                             "rounds": args.rounds, "seed": args.seed, "artifact": args.artifact},
+               "pagedgraph_custom_ops": custom_ops,
                "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -1,5 +1,5 @@
 """The real model (SmolLM2-135M) through the CPU MINDIR graphs: greedy tokens equal ONNX Runtime's and the
-HF reference (tests/data/reference_smollm2.json), logits equal ONNX Runtime's within about 1e-4 at every step.
+HF reference (tests/data/reference_smollm2.json), logits equal ONNX Runtime's within about 2e-4 at every step.
 
 Two gears keep it quick (each 30-layer graph compiles in seconds): one prefill gear that also
 takes chunks and mixed steps, one decode gear.
@@ -55,10 +55,11 @@ def test_mindspore_executor_matches_onnxruntime_and_hf(artifact: Path) -> None:
     for tokens, ref in zip(ms_tokens, reference):
         ok, why = _matches_reference(tokens, ref["token_ids"][:NEW_TOKENS], ref["top2_gap"])
         assert ok, why
-    # 30 layers of float32 matmuls summed in other orders (oneDNN vs MLAS): measured worst 1.0e-4 on
-    # logits of magnitude ~20, so 1e-4 plus a 1e-5 relative allowance.
+    # 30 layers of float32 matmuls summed in other orders (oneDNN vs MLAS, and ONNX Runtime's attention
+    # as our custom-op kernel's online softmax): measured worst 1.1e-4 on logits of magnitude ~20, so
+    # 2e-4 plus a 1e-5 relative allowance.
     for (gear, a), (_, b) in zip(ms.steps, ort.steps):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5, err_msg=f"gear {gear}")
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-5, err_msg=f"gear {gear}")
 
 
 def test_bench_runs_on_the_mindspore_executor(artifact: Path) -> None:

@@ -239,21 +239,6 @@ def test_header_is_extracted_from_a_deb() -> None:
         ort_headers._header_from_deb(_ar({"debian-binary": b"2.0\n"}))
 
 
-@pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
-    from exporter.config import ExportConfig
-    from exporter.export import export
-    from tests.tiny_models import make_tiny_hf_checkpoint
-
-    root = tmp_path_factory.mktemp("custom_ops")
-    model_dir = make_tiny_hf_checkpoint(root / "hf", arch="llama", tie=False)
-    config = ExportConfig.model_validate({"model": {"source": str(model_dir)}, "export": {
-        "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
-    export(config, root / "artifact", log=io.StringIO())
-    return root / "artifact"
-
-
 def _fill(gear: Gear, seqs: list[tuple[list[int], int, list[int]]], block_size: int) -> dict[str, np.ndarray]:
     """Gear inputs for (tokens fed this step, tokens already cached, block table) per sequence, packer-style."""
     inputs = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
