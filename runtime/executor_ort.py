@@ -21,8 +21,8 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from graphs import contract as c
 from graphs.contract import Gear
-from graphs.kernels import KernelBuildError, OrtHeaderError, ort_library_path
-from graphs.kernels.ort_headers import FETCH_COMMAND
+from graphs.kernels import KernelBuildError, ort_library_path
+from graphs.kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
 from graphs.manifest import Manifest
 from runtime.executors import CustomOps, check_custom_ops
 

@@ -24,9 +24,9 @@ from exporter.onnx.nodes import ATB_DOMAIN, OPSET
 from graphs import contract as c
 from graphs import ops
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.kernels import OrtHeaderError, ort_headers, ort_library_path
+from graphs.kernels import ort_headers, ort_library_path
 from graphs.kernels.build import cache_root
-from graphs.kernels.ort_headers import INCLUDE_ENV
+from graphs.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
 from graphs.manifest import Manifest
 from runtime.executor_ort import OrtExecutor, register_custom_ops
 

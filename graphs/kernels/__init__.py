@@ -5,6 +5,6 @@ run them) import this package. `binding` calls the same C API directly from nump
 Runtime executor registers `ort_library_path()`, the same kernels as custom ops of domain `atb`.
 """
 from graphs.kernels.build import KernelBuildError, library_path, ort_library_path
-from graphs.kernels.ort_headers import OrtHeaderError
 
-__all__ = ["KernelBuildError", "OrtHeaderError", "library_path", "ort_library_path"]
+# ort_headers (OrtHeaderError) is left to its importers: `python -m graphs.kernels.ort_headers` runs it.
+__all__ = ["KernelBuildError", "library_path", "ort_library_path"]

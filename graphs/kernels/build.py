@@ -15,8 +15,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from graphs.kernels import ort_headers
-
 HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 LIBRARY = "libpagedgraph_kernels.so"
@@ -74,7 +72,11 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None) 
     sources = [ENTRY_POINTS[name], *kernels]
     inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h"))
     if include:
-        inputs.append(include / ort_headers.HEADER)
+        from graphs.kernels.ort_headers import (
+            HEADER,  # not at import: `python -m` runs that module
+        )
+
+        inputs.append(include / HEADER)
     compiler = _compiler()
     target = cache_root() / "kernels" / _fingerprint([compiler, *FLAGS, *flags, *sources], inputs) / name
     if target.is_file():
@@ -99,4 +101,6 @@ def library_path() -> Path:
 
 def ort_library_path() -> Path:
     """The ONNX Runtime custom-op library; raises ort_headers.OrtHeaderError when no header is found."""
-    return _build(ORT_LIBRARY, ORT_FLAGS, ort_headers.include_dir(cache_root()))
+    from graphs.kernels.ort_headers import include_dir
+
+    return _build(ORT_LIBRARY, ORT_FLAGS, include_dir(cache_root()))

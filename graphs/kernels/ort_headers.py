@@ -155,7 +155,7 @@ def fetch(cache_root: Path) -> Path:
 
 def main() -> None:
     """Print the header in use, fetching it first when this machine has none (install scripts run this)."""
-    from graphs.kernels.build import cache_root  # build imports this module: import it only when run
+    from graphs.kernels.build import cache_root
 
     try:
         try:
