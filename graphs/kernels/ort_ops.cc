@@ -70,6 +70,15 @@ OrtStatus *get_input(OrtKernelContext *context, size_t index, Input<T> &out) {
   return nullptr;
 }
 
+// The node's inputs 0, 1, ... into `inputs`, in order; the first failure is returned.
+template <class... T>
+OrtStatus *get_inputs(OrtKernelContext *context, Input<T> &...inputs) {
+  size_t index = 0;
+  OrtStatus *status = nullptr;
+  ((status = status ? status : get_input(context, index++, inputs)), ...);
+  return status;
+}
+
 OrtStatus *get_output(OrtKernelContext *context, size_t index, const std::vector<int64_t> &shape, float *&out) {
   OrtValue *value;
   RETURN_IF_ERROR(api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
@@ -127,12 +136,7 @@ struct PagedAttention {
   OrtStatus *compute(OrtKernelContext *context) const {
     Input<float> query, k_cache, v_cache;
     Input<int32_t> tables, context_lens, cu;
-    RETURN_IF_ERROR(get_input(context, 0, query));
-    RETURN_IF_ERROR(get_input(context, 1, k_cache));
-    RETURN_IF_ERROR(get_input(context, 2, v_cache));
-    RETURN_IF_ERROR(get_input(context, 3, tables));
-    RETURN_IF_ERROR(get_input(context, 4, context_lens));
-    RETURN_IF_ERROR(get_input(context, 5, cu));
+    RETURN_IF_ERROR(get_inputs(context, query, k_cache, v_cache, tables, context_lens, cu));
     RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
     RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, dims.kv_head_num * dims.head_dim}));
     RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
@@ -160,10 +164,7 @@ struct SelfAttention {
   OrtStatus *compute(OrtKernelContext *context) const {
     Input<float> query, key, value;
     Input<int32_t> cu;
-    RETURN_IF_ERROR(get_input(context, 0, query));
-    RETURN_IF_ERROR(get_input(context, 1, key));
-    RETURN_IF_ERROR(get_input(context, 2, value));
-    RETURN_IF_ERROR(get_input(context, 3, cu));
+    RETURN_IF_ERROR(get_inputs(context, query, key, value, cu));
     RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
     const int64_t tokens = query.shape[0];
     RETURN_IF_ERROR(check_shape("key", key.shape, {tokens, dims.kv_head_num * dims.head_dim}));
@@ -191,11 +192,7 @@ struct ReshapeAndCache {
   OrtStatus *compute(OrtKernelContext *context) const {
     Input<float> key, value, k_cache, v_cache;
     Input<int64_t> slots;
-    RETURN_IF_ERROR(get_input(context, 0, key));
-    RETURN_IF_ERROR(get_input(context, 1, value));
-    RETURN_IF_ERROR(get_input(context, 2, k_cache));
-    RETURN_IF_ERROR(get_input(context, 3, v_cache));
-    RETURN_IF_ERROR(get_input(context, 4, slots));
+    RETURN_IF_ERROR(get_inputs(context, key, value, k_cache, v_cache, slots));
     RETURN_IF_ERROR(check_shape("key", key.shape, {-1, -1}));
     const int64_t tokens = key.shape[0], width = key.shape[1];
     RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
@@ -224,10 +221,7 @@ struct Rope {
 
   OrtStatus *compute(OrtKernelContext *context) const {
     Input<float> query, key, cos, sin;
-    RETURN_IF_ERROR(get_input(context, 0, query));
-    RETURN_IF_ERROR(get_input(context, 1, key));
-    RETURN_IF_ERROR(get_input(context, 2, cos));
-    RETURN_IF_ERROR(get_input(context, 3, sin));
+    RETURN_IF_ERROR(get_inputs(context, query, key, cos, sin));
     RETURN_IF_ERROR(check_shape("cos", cos.shape, {-1, -1}));
     const int64_t tokens = cos.shape[0], head_dim = cos.shape[1];
     RETURN_IF_ERROR(check_shape("sin", sin.shape, cos.shape));
@@ -256,7 +250,7 @@ struct SwiGLU {
 
   OrtStatus *compute(OrtKernelContext *context) const {
     Input<float> x;
-    RETURN_IF_ERROR(get_input(context, 0, x));
+    RETURN_IF_ERROR(get_inputs(context, x));
     RETURN_IF_ERROR(check_shape("x", x.shape, {-1, -1}));
     if (x.shape[1] % 2) return invalid("x width " + std::to_string(x.shape[1]) + " is odd, expected [gate | up]");
     float *out;
