@@ -103,6 +103,15 @@ def test_paged_attention_equals_reference(library: Path, seed: int) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # padding rows included: zeros in both
 
 
+def test_paged_attention_without_head_dim_attribute(library: Path) -> None:
+    """Artifacts exported before head_dim was an attribute still load: the kernel takes it from the query."""
+    inputs = _paged_batch(4)
+    model = _model("PagedAttention", inputs, ["out"], block_size=BLOCK_SIZE, **ATTRS)
+    (got,) = _session(model, library).run(None, inputs)
+    want = ops.paged_attention(*inputs.values(), block_size=BLOCK_SIZE, **ATTRS)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_self_attention_equals_reference(library: Path) -> None:
     rng = np.random.default_rng(3)
     cu = np.array([0, 6, 7, 90, 90, 90], np.int32)  # an empty sequence, then padding rows

@@ -108,15 +108,31 @@ void ort_parallel_for(void *pool, void (*body)(void *ctx, size_t item), void *ct
 pg_runner runner_of(OrtKernelContext *context) { return {ort_parallel_for, context}; }
 
 // head_num, kv_head_num, head_dim, qk_scale: the attention ops' shared attributes, read once per node.
+// head_dim may be absent (artifacts exported before it was an attribute): 0, taken from the query per call.
 OrtStatus *read_dims(const OrtKernelInfo *info, pg_attention_dims &dims) {
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_num", &dims.head_num));
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_head_num", &dims.kv_head_num));
-  RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_dim", &dims.head_dim));
+  if (OrtStatus *missing = api->KernelInfoGetAttribute_int64(info, "head_dim", &dims.head_dim)) {
+    api->ReleaseStatus(missing);
+    dims.head_dim = 0;
+  }
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_float(info, "qk_scale", &dims.qk_scale));
-  if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_dim <= 0 || dims.head_num % dims.kv_head_num)
+  if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_dim < 0 || dims.head_num % dims.kv_head_num)
     return invalid("head_num " + std::to_string(dims.head_num) + ", kv_head_num " + std::to_string(dims.kv_head_num) +
                    ", head_dim " + std::to_string(dims.head_dim) +
                    ": all must be positive, head_num a multiple of kv_head_num");
+  return nullptr;
+}
+
+// `dims` with head_dim filled in from the query's width when the node has no head_dim attribute.
+OrtStatus *with_head_dim(pg_attention_dims dims, const std::vector<int64_t> &query_shape, pg_attention_dims &out) {
+  if (dims.head_dim == 0) {
+    if (query_shape.size() != 2 || query_shape[1] % dims.head_num)
+      return invalid("query has shape " + shape_text(query_shape) + ", expected [tokens, head_num * head_dim] with head_num " +
+                     std::to_string(dims.head_num));
+    dims.head_dim = query_shape[1] / dims.head_num;
+  }
+  out = dims;
   return nullptr;
 }
 
@@ -137,8 +153,10 @@ struct PagedAttention {
     Input<float> query, k_cache, v_cache;
     Input<int32_t> tables, context_lens, cu;
     RETURN_IF_ERROR(get_inputs(context, query, k_cache, v_cache, tables, context_lens, cu));
-    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
-    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, dims.kv_head_num * dims.head_dim}));
+    pg_attention_dims d;
+    RETURN_IF_ERROR(with_head_dim(dims, query.shape, d));
+    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, d.head_num * d.head_dim}));
+    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, d.kv_head_num * d.head_dim}));
     RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
     RETURN_IF_ERROR(check_shape("block_tables", tables.shape, {-1, -1}));
     const int64_t batch = tables.shape[0];
@@ -149,7 +167,7 @@ struct PagedAttention {
     const pg_runner runner = runner_of(context);
     return kernel_status(pg_paged_attention(query.data, k_cache.data, v_cache.data, tables.data, context_lens.data,
                                             cu.data, out, query.shape[0], batch, tables.shape[1], k_cache.shape[0],
-                                            dims, block_size, &runner));
+                                            d, block_size, &runner));
   }
 };
 
@@ -165,9 +183,11 @@ struct SelfAttention {
     Input<float> query, key, value;
     Input<int32_t> cu;
     RETURN_IF_ERROR(get_inputs(context, query, key, value, cu));
-    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, dims.head_num * dims.head_dim}));
+    pg_attention_dims d;
+    RETURN_IF_ERROR(with_head_dim(dims, query.shape, d));
+    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, d.head_num * d.head_dim}));
     const int64_t tokens = query.shape[0];
-    RETURN_IF_ERROR(check_shape("key", key.shape, {tokens, dims.kv_head_num * dims.head_dim}));
+    RETURN_IF_ERROR(check_shape("key", key.shape, {tokens, d.kv_head_num * d.head_dim}));
     RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
     if (cu.shape.size() != 1 || cu.shape[0] < 1)
       return invalid("cu_seqlens_q has shape " + shape_text(cu.shape) + ", expected [batch + 1]");
@@ -175,7 +195,7 @@ struct SelfAttention {
     RETURN_IF_ERROR(get_output(context, 0, query.shape, out));
     const pg_runner runner = runner_of(context);
     return kernel_status(
-        pg_self_attention(query.data, key.data, value.data, cu.data, out, tokens, cu.shape[0] - 1, dims, &runner));
+        pg_self_attention(query.data, key.data, value.data, cu.data, out, tokens, cu.shape[0] - 1, d, &runner));
   }
 };
 
