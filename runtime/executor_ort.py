@@ -5,8 +5,8 @@ so the cache write (ScatterND, or the custom kernel below) goes into it without 
 IOBinding per gear is built once and reused, its input OrtValues wrapping the packer's numpy
 buffers (refilled in place).
 
-With pagedgraph's custom-op library registered, PagedAttention, ReshapeAndCache and SelfAttention
-each run as one C++ kernel (graphs/kernels/ort_ops.cc) instead of their inlined function bodies:
+With pagedgraph's custom-op library registered, PagedAttention, ReshapeAndCache, SelfAttention, Rope
+and SwiGLU each run as one C++ kernel (graphs/kernels/ort_ops.cc) instead of their inlined function bodies:
 ORT prefers a registered kernel to a model-local function, so the artifact stays unchanged.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     if threads:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    # Workers spin inside a step (a B=1 decode step is ~1,800 short kernels: waking a sleeping
-    # worker for each cost 27% of single-stream tok/s on an idle machine) and stop when the step
-    # returns, so they never take the cores the host loop needs between steps. With another
-    # process on the cores, spinning costs instead (docs/performance.md, change 7).
+    # Workers spin inside a step (a B=1 decode step is ~400 short kernels, ~1,800 without the custom
+    # ops: waking a sleeping worker for each cost 27% of single-stream tok/s on an idle machine) and
+    # stop when the step returns, so they never take the cores the host loop needs between steps.
+    # With another process on the cores, spinning costs instead (docs/performance.md, change 7).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
@@ -77,7 +77,7 @@ class OrtExecutor:
     def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                  custom_ops: CustomOps = "auto") -> None:
         options = session_options(threads)
-        # Whether PagedAttention / ReshapeAndCache / SelfAttention run as pagedgraph's C++ kernels.
+        # Whether the fused ops run as pagedgraph's C++ kernels ("auto" may have fallen back).
         self.custom_ops = register_custom_ops(options, custom_ops)
         graphs = {f.graph for f in manifest.families.values()}
         if len(graphs) != 1:

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from graphs.manifest import Manifest
 
 EXECUTORS = ("onnxruntime", "mindspore")
 # Whether the ONNX Runtime executor runs the fused ops as pagedgraph's C++ custom ops (runtime/executor_ort.py).
 CustomOps = Literal["auto", "on", "off"]
-CUSTOM_OPS: tuple[CustomOps, ...] = ("auto", "on", "off")
+CUSTOM_OPS: tuple[CustomOps, ...] = get_args(CustomOps)
 
 
 def check_custom_ops(mode: str) -> None:

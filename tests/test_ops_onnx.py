@@ -2,28 +2,15 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
-from exporter.onnx.functions import FUNCTIONS
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET
 from graphs import ops
-
-F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+from tests.op_models import one_node_model
 
 
 def run_op(op: str, inputs: dict[str, np.ndarray], outputs: list[str], **attrs: object) -> list[np.ndarray]:
-    types = {np.dtype(np.float32): F32, np.dtype(np.int32): I32, np.dtype(np.int64): I64}
-    infos = [helper.make_tensor_value_info(k, types[v.dtype], [f"{k}_{i}" for i in range(v.ndim)])
-             for k, v in inputs.items()]
-    outs = [helper.make_tensor_value_info(o, F32, [f"{o}_{i}" for i in range(2)]) for o in outputs]
-    node = helper.make_node(op, list(inputs), outputs, domain=ATB_DOMAIN, **attrs)
-    model = helper.make_model(helper.make_graph([node], op, infos, outs),
-                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
-                              functions=[FUNCTIONS[op]()], ir_version=10)
-    onnx.checker.check_model(model, full_check=True)
+    model = one_node_model(op, inputs, outputs, **attrs)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, inputs)
 

@@ -17,10 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
-from exporter.onnx.functions import FUNCTIONS
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET
 from graphs import contract as c
 from graphs import ops
 from graphs.contract import DECODE, PREFILL, Gear
@@ -29,39 +26,26 @@ from graphs.kernels.build import cache_root
 from graphs.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
 from graphs.manifest import Manifest
 from runtime.executor_ort import OrtExecutor, register_custom_ops
+from tests.op_models import one_node_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
 ATTRS = {"head_num": HEADS, "kv_head_num": KV_HEADS, "qk_scale": HEAD_DIM ** -0.5}
-TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int32): TensorProto.INT32,
-         np.dtype(np.int64): TensorProto.INT64}
 
 
 @pytest.fixture(scope="module")
 def library() -> Path:
     """The custom-op library, fetching its header once if needed; skipped only where that fails, never in CI."""
     try:
-        try:
-            return ort_library_path()
-        except OrtHeaderError:
-            if os.environ.get(INCLUDE_ENV):
-                raise
-            ort_headers.fetch(cache_root())
-            return ort_library_path()
+        ort_headers.ensure(cache_root())
+        return ort_library_path()
     except OrtHeaderError as error:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the custom ops (scripts/test.sh fetches their header): {error}")
         pytest.skip(f"no ONNX Runtime C API header to build the custom ops with: {error}")
 
 
-def _model(op: str, inputs: dict[str, np.ndarray], outputs: list[str], **attrs: object) -> bytes:
-    """A one-node model of `op` with its function attached, as the exporter writes it."""
-    infos = [helper.make_tensor_value_info(k, TYPES[v.dtype], [f"{k}_{i}" for i in range(v.ndim)])
-             for k, v in inputs.items()]
-    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [f"{o}_{i}" for i in range(2)]) for o in outputs]
-    node = helper.make_node(op, list(inputs), outputs, domain=ATB_DOMAIN, **attrs)
-    return helper.make_model(helper.make_graph([node], op, infos, outs),
-                             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
-                             functions=[FUNCTIONS[op]()], ir_version=10).SerializeToString()
+def _model(op: str, inputs: dict[str, np.ndarray], outputs: list[str], check: bool = True, **attrs: object) -> bytes:
+    return one_node_model(op, inputs, outputs, check, **attrs).SerializeToString()
 
 
 def _session(model: bytes, library: Path | None, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
@@ -106,7 +90,7 @@ def test_paged_attention_equals_reference(library: Path, seed: int) -> None:
 def test_paged_attention_without_head_dim_attribute(library: Path) -> None:
     """Artifacts exported before head_dim was an attribute still load: the kernel takes it from the query."""
     inputs = _paged_batch(4)
-    model = _model("PagedAttention", inputs, ["out"], block_size=BLOCK_SIZE, **ATTRS)
+    model = _model("PagedAttention", inputs, ["out"], check=False, block_size=BLOCK_SIZE, **ATTRS)
     (got,) = _session(model, library).run(None, inputs)
     want = ops.paged_attention(*inputs.values(), block_size=BLOCK_SIZE, **ATTRS)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -268,9 +268,10 @@ constexpr int64_t kSplitKeys = 64;  // keys per part, at least
 // head (parallel work for long prompts); a decode row is one item over all kv heads, so each key and
 // value row is read whole and once, in order (decode is bound by moving the context). A step with
 // few items (single-stream decode) splits each decode row's keys into parts the pool runs at once;
-// the parts' softmax states are merged afterwards (merge_parts).
+// the parts' softmax states are merged afterwards (merge_parts); `split_parts` counts them.
 template <class RowsOf>
-const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads, RowsOf rows_of) {
+const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads, RowsOf rows_of,
+                                  int64_t &split_parts) {
   thread_local std::vector<Item> items;
   items.clear();
   int64_t unsplit = 0, decode_rows = 0;
@@ -293,6 +294,7 @@ const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_h
         items.push_back({b, r, 1, 0, kv_heads, keys * p / parts, keys * (p + 1) / parts, parts > 1 ? next_part + p : -1, parts});
       next_part += parts > 1 ? parts : 0;
     }
+  split_parts = next_part;
   return items;
 }
 
@@ -328,10 +330,9 @@ void for_each_item(const float *query, float *out, const int32_t *cu, int64_t ba
                    const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of) {
   const int64_t group = dims.head_num / dims.kv_head_num, q_width = dims.head_num * dims.head_dim;
   zero_padding(out, cu, batch, tokens, q_width);
-  const std::vector<Item> &items = items_of(cu, batch, dims.kv_head_num, rows_of);
+  int64_t split_parts;
+  const std::vector<Item> &items = items_of(cu, batch, dims.kv_head_num, rows_of, split_parts);
   thread_local Partials partials;
-  int64_t split_parts = 0;
-  for (const Item &item : items) split_parts = std::max(split_parts, item.part + 1);
   partials.resize(split_parts * dims.head_num * (dims.head_dim + 2));
   float *const partial_base = partials.data();  // the pool's threads each have their own thread_locals
   pg::parallel_for(runner, static_cast<int64_t>(items.size()), [&](int64_t i) {
@@ -361,11 +362,7 @@ int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, f
     std::memcpy(k_cache + slot_mapping[t] * width, key + t * width, sizeof(float) * width);
     std::memcpy(v_cache + slot_mapping[t] * width, value + t * width, sizeof(float) * width);
   };
-  if (tokens * width > (1 << 16)) {
-    pg::parallel_for(runner, tokens, write);
-  } else {
-    for (int64_t t = 0; t < tokens; ++t) write(t);
-  }
+  pg::for_rows(runner, tokens, 2 * width, write);
   return 0;
 }
 

@@ -72,9 +72,8 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None) 
     sources = [ENTRY_POINTS[name], *kernels]
     inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h"))
     if include:
-        from graphs.kernels.ort_headers import (
-            HEADER,  # not at import: `python -m` runs that module
-        )
+        # Imported here, not at the top: `python -m graphs.kernels.ort_headers` runs that module.
+        from graphs.kernels.ort_headers import HEADER
 
         inputs.append(include / HEADER)
     compiler = _compiler()

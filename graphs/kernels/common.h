@@ -29,6 +29,18 @@ void parallel_for(const pg_runner *runner, int64_t items, const Body &body) {
   for (int64_t item = 0; item < items; ++item) body(item);
 }
 
+// row(r) for r in [0, rows) of `width` elements each: on the calling thread when the whole is small
+// (a decode step's few rows: waking the pool would cost more than the rows), else parallel_for.
+template <class Row>
+void for_rows(const pg_runner *runner, int64_t rows, int64_t width, const Row &row) {
+  constexpr int64_t kInline = 1 << 16;  // elements
+  if (rows * width < kInline) {
+    for (int64_t r = 0; r < rows; ++r) row(r);
+  } else {
+    parallel_for(runner, rows, row);
+  }
+}
+
 // Eight floats as one value (GCC/Clang vector extension: AVX on x86, two NEON registers on ARM).
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));

@@ -153,17 +153,22 @@ def fetch(cache_root: Path) -> Path:
     return target
 
 
+def ensure(cache_root: Path) -> Path:
+    """The header's directory on this machine, fetching it first when there is none."""
+    try:
+        return include_dir(cache_root)
+    except OrtHeaderError:
+        if os.environ.get(INCLUDE_ENV):  # the build would still use that directory: fetching cannot help
+            raise
+        return fetch(cache_root)
+
+
 def main() -> None:
     """Print the header in use, fetching it first when this machine has none (install scripts run this)."""
     from graphs.kernels.build import cache_root
 
     try:
-        try:
-            found = include_dir(cache_root())
-        except OrtHeaderError:
-            if os.environ.get(INCLUDE_ENV):  # the build would still use that directory: fetching cannot help
-                raise
-            found = fetch(cache_root())
+        found = ensure(cache_root())
     except OrtHeaderError as error:
         sys.exit(f"no ONNX Runtime C API header for the custom-op library: {error}")
     print(found / HEADER)

@@ -7,11 +7,12 @@
 // C API is used: it is versioned, so a library built against an older header loads in a newer runtime.
 // Kernels run on ORT's intra-op pool (KernelContext_ParallelFor), never on OpenMP threads competing
 // with ORT's spinning workers. Bad inputs become an OrtStatus (ORT_INVALID_ARGUMENT), never a crash.
+#include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <iterator>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "kernels.h"
 #include "onnxruntime_c_api.h"
@@ -37,7 +38,18 @@ OrtStatus *invalid(const std::string &message) { return api->CreateStatus(ORT_IN
 
 OrtStatus *kernel_status(int rc) { return rc ? invalid(pg_last_error()) : nullptr; }
 
-std::string shape_text(const std::vector<int64_t> &shape) {
+// A tensor shape held inline: a step calls these kernels ~150 times, none of them allocates.
+struct Shape {
+  static constexpr size_t kMaxRank = 4;
+  int64_t dims[kMaxRank] = {};
+  size_t rank = 0;
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> list) : rank(list.size()) { std::copy(list.begin(), list.end(), dims); }
+  int64_t operator[](size_t i) const { return dims[i]; }
+  size_t size() const { return rank; }
+};
+
+std::string shape_text(const Shape &shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
   return text + "]";
@@ -47,7 +59,7 @@ std::string shape_text(const std::vector<int64_t> &shape) {
 template <class T>
 struct Input {
   const T *data = nullptr;
-  std::vector<int64_t> shape;
+  Shape shape;
 };
 
 template <class T>
@@ -58,9 +70,12 @@ OrtStatus *get_input(OrtKernelContext *context, size_t index, Input<T> &out) {
   RETURN_IF_ERROR(api->GetTensorTypeAndShape(value, &info));
   size_t rank = 0;
   OrtStatus *status = api->GetDimensionsCount(info, &rank);
+  if (status == nullptr && rank > Shape::kMaxRank)
+    status = invalid("input " + std::to_string(index) + " has rank " + std::to_string(rank) + ", at most " +
+                     std::to_string(Shape::kMaxRank) + " expected");
   if (status == nullptr) {
-    out.shape.resize(rank);
-    status = api->GetDimensions(info, out.shape.data(), rank);
+    out.shape.rank = rank;
+    status = api->GetDimensions(info, out.shape.dims, rank);
   }
   api->ReleaseTensorTypeAndShapeInfo(info);
   RETURN_IF_ERROR(status);
@@ -79,9 +94,9 @@ OrtStatus *get_inputs(OrtKernelContext *context, Input<T> &...inputs) {
   return status;
 }
 
-OrtStatus *get_output(OrtKernelContext *context, size_t index, const std::vector<int64_t> &shape, float *&out) {
+OrtStatus *get_output(OrtKernelContext *context, size_t index, const Shape &shape, float *&out) {
   OrtValue *value;
-  RETURN_IF_ERROR(api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
+  RETURN_IF_ERROR(api->KernelContext_GetOutput(context, index, shape.dims, shape.rank, &value));
   void *data;
   RETURN_IF_ERROR(api->GetTensorMutableData(value, &data));
   out = static_cast<float *>(data);
@@ -89,7 +104,7 @@ OrtStatus *get_output(OrtKernelContext *context, size_t index, const std::vector
 }
 
 // `name` must have shape `want`; -1 in `want` matches any extent.
-OrtStatus *check_shape(const char *name, const std::vector<int64_t> &shape, const std::vector<int64_t> &want) {
+OrtStatus *check_shape(const char *name, const Shape &shape, const Shape &want) {
   bool ok = shape.size() == want.size();
   for (size_t i = 0; ok && i < want.size(); ++i) ok = want[i] < 0 || shape[i] == want[i];
   if (ok) return nullptr;
@@ -107,31 +122,25 @@ void ort_parallel_for(void *pool, void (*body)(void *ctx, size_t item), void *ct
 
 pg_runner runner_of(OrtKernelContext *context) { return {ort_parallel_for, context}; }
 
-// head_num, kv_head_num, head_dim, qk_scale: the attention ops' shared attributes, read once per node.
-// head_dim may be absent (artifacts exported before it was an attribute): 0, taken from the query per call.
+// head_num, kv_head_num, qk_scale: the attention ops' shared attributes, read once per node. head_dim
+// comes from the query's width per call (as mindspore_aot.cc does): artifacts exported before head_dim
+// was an attribute have none, and the cache shapes are checked against it anyway.
 OrtStatus *read_dims(const OrtKernelInfo *info, pg_attention_dims &dims) {
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_num", &dims.head_num));
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_head_num", &dims.kv_head_num));
-  if (OrtStatus *missing = api->KernelInfoGetAttribute_int64(info, "head_dim", &dims.head_dim)) {
-    api->ReleaseStatus(missing);
-    dims.head_dim = 0;
-  }
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_float(info, "qk_scale", &dims.qk_scale));
-  if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_dim < 0 || dims.head_num % dims.kv_head_num)
+  if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_num % dims.kv_head_num)
     return invalid("head_num " + std::to_string(dims.head_num) + ", kv_head_num " + std::to_string(dims.kv_head_num) +
-                   ", head_dim " + std::to_string(dims.head_dim) +
-                   ": all must be positive, head_num a multiple of kv_head_num");
+                   ": both must be positive, head_num a multiple of kv_head_num");
   return nullptr;
 }
 
-// `dims` with head_dim filled in from the query's width when the node has no head_dim attribute.
-OrtStatus *with_head_dim(pg_attention_dims dims, const std::vector<int64_t> &query_shape, pg_attention_dims &out) {
-  if (dims.head_dim == 0) {
-    if (query_shape.size() != 2 || query_shape[1] % dims.head_num)
-      return invalid("query has shape " + shape_text(query_shape) + ", expected [tokens, head_num * head_dim] with head_num " +
-                     std::to_string(dims.head_num));
-    dims.head_dim = query_shape[1] / dims.head_num;
-  }
+// `dims` with head_dim = the query's width / head_num.
+OrtStatus *with_head_dim(pg_attention_dims dims, const Shape &query, pg_attention_dims &out) {
+  if (query.size() != 2 || query[1] % dims.head_num)
+    return invalid("query has shape " + shape_text(query) + ", expected [tokens, head_num * head_dim] with head_num " +
+                   std::to_string(dims.head_num));
+  dims.head_dim = query[1] / dims.head_num;
   out = dims;
   return nullptr;
 }

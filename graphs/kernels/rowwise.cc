@@ -8,22 +8,7 @@
 
 #include "common.h"
 
-namespace {
-
 using pg::exp8, pg::f32x8, pg::kLanes, pg::load8, pg::store8;
-
-constexpr int64_t kRowsInline = 1 << 16;  // elements below which a call stays on the calling thread
-
-template <class Row>
-void for_rows(const pg_runner *runner, int64_t rows, int64_t width, const Row &row) {
-  if (rows * width < kRowsInline) {
-    for (int64_t r = 0; r < rows; ++r) row(r);
-  } else {
-    pg::parallel_for(runner, rows, row);
-  }
-}
-
-}  // namespace
 
 extern "C" {
 
@@ -33,7 +18,7 @@ int pg_rope(const float *x, const float *cos, const float *sin, float *out, int6
     return pg::fail("rope head_dim " + std::to_string(head_dim) + " must be a positive multiple of " +
                     std::to_string(2 * kLanes));
   const int64_t half = head_dim / 2, width = heads * head_dim;
-  for_rows(runner, tokens, width, [&](int64_t t) {
+  pg::for_rows(runner, tokens, width, [&](int64_t t) {
     const float *c = cos + t * head_dim, *s = sin + t * head_dim;
     for (int64_t h = 0; h < heads; ++h) {
       const float *in = x + t * width + h * head_dim;
@@ -52,7 +37,7 @@ int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const p
   if (width <= 0 || width % kLanes)
     return pg::fail("swiglu output width " + std::to_string(width) + " must be a positive multiple of " +
                     std::to_string(kLanes));
-  for_rows(runner, tokens, 2 * width, [&](int64_t t) {
+  pg::for_rows(runner, tokens, 2 * width, [&](int64_t t) {
     const float *gate = x + t * 2 * width, *up = gate + width;
     for (int64_t f = 0; f < width; f += kLanes) {
       const f32x8 g = load8(gate + f);
