@@ -7,7 +7,16 @@ exactly --max-tokens tokens greedily (EOS cannot stop them). genai serves them a
 of N; our engine serves them with `runtime.bench.runner.run_engine`, as `micro.engine_concurrency`
 does. Both figures are `micro.decode_tok_s`: tokens after every request's first, per second.
 Every run has fresh prompts (the next seed), the same for both engines, which take turns going
-first; the best of --rounds is reported. A measurement script only: nothing in the tests or the runtime imports it.
+first; the best of --rounds is reported. Equal lengths are static batching's best case: this part
+compares the engines' steps.
+
+--serve adds what continuous batching is for: 2N requests of varied lengths (prompts of 16-128
+tokens, outputs of 16-256) from N concurrent clients. genai serves them as static batches of N
+(prompts right-padded with its pad token, as it expects; every batch runs until its longest output
+is done); our engine keeps N requests in flight, admitting the next one as soon as one finishes.
+Figure: requested output tokens per second of wall time, prefill included.
+
+A measurement script only: nothing in the tests or the runtime imports it.
 
 Building the genai model (needs torch, transformers, onnxruntime-genai; HF_HUB_OFFLINE=1 makes sure
 nothing is downloaded; the same commands give byte-identical files):
@@ -20,7 +29,7 @@ nothing is downloaded; the same commands give byte-identical files):
 Measuring (the machine should be idle):
 
     python scripts/peer_genai.py --artifact artifacts/smollm2-bench --genai-model artifacts/genai-model \\
-        --threads 2 --json docs/bench/peer_genai.json
+        --threads 2 --serve --json docs/bench/peer_genai.json
 """
 from __future__ import annotations
 
@@ -33,15 +42,17 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from runtime.bench import micro  # noqa: E402
 from runtime.bench.metrics import RunRecord  # noqa: E402
-from runtime.bench.runner import run_engine, warm_up  # noqa: E402
-from runtime.bench.workloads import BenchRequest  # noqa: E402
+from runtime.bench.runner import bench_params, run_engine, warm_up  # noqa: E402
+from runtime.bench.workloads import FIRST_PLAIN_TOKEN, BenchRequest  # noqa: E402
 from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 
 
@@ -77,12 +88,25 @@ class GenaiRunner:
         if threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
+        self.pad = json.loads((model_dir / "genai_config.json").read_text())["model"]["pad_token_id"]
         self.run([BenchRequest(list(range(100, 108)), 2)])  # session start-up, as runner.warm_up
+
+    def generate(self, requests: list[BenchRequest]) -> dict[int, list[int]]:
+        """One static batch, prompts right-padded; every request computes max(max_tokens) tokens."""
+        width = max(len(r.prompt_token_ids) for r in requests)
+        total = width + max(r.max_tokens for r in requests)
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, min_length=total, max_length=total, batch_size=len(requests))
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array([r.prompt_token_ids + [self.pad] * (width - len(r.prompt_token_ids))
+                                          for r in requests], dtype=np.int32))
+        while not generator.is_done():
+            generator.generate_next_token()
+        return {key: generator.get_sequence(key)[width:width + r.max_tokens].tolist()
+                for key, r in enumerate(requests)}
 
     def run(self, requests: list[BenchRequest]) -> RunRecord:
         """Greedy, min_length = max_length so every request computes exactly its max_tokens."""
-        import numpy as np
-
         prompt_len, max_tokens = len(requests[0].prompt_token_ids), requests[0].max_tokens
         if any(len(r.prompt_token_ids) != prompt_len or r.max_tokens != max_tokens for r in requests):
             raise ValueError("genai's static batch needs equal prompt lengths and max_tokens (no padding here)")
@@ -103,15 +127,61 @@ class GenaiRunner:
             for key in keys:
                 record.timeline.tokens(key, 1, now)
         record.wall_s = time.perf_counter() - start
-        record.outputs = {key: generator.get_sequence(key)[prompt_len:].tolist() for key in keys}
+        record.outputs = {f"bench-{key}": generator.get_sequence(key)[prompt_len:].tolist() for key in keys}
         return record
 
 
-def agreement(ours: dict[str, list[int]], theirs: dict[int, list[int]]) -> list[int]:
+# One engine's figure for one run (tok/s) and its outputs by request id; a run that gives it.
+Outcome = tuple[float, dict[str, list[int]]]
+Run = Callable[[], Outcome]
+
+
+def serve_genai(genai: GenaiRunner, requests: list[BenchRequest], concurrency: int) -> Outcome:
+    """Static batches of `concurrency` requests, one after another: output tok/s and the outputs."""
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for first in range(0, len(requests), concurrency):
+        batch = genai.generate(requests[first:first + concurrency])
+        outputs.update({f"bench-{first + key}": tokens for key, tokens in batch.items()})
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outputs
+
+
+def serve_engine(engine: LLMEngine, requests: list[BenchRequest], concurrency: int) -> Outcome:
+    """`concurrency` clients, each sending its next request when the last one finished: tok/s and outputs."""
+    pending = list(enumerate(requests))[::-1]
+    outputs: dict[str, list[int]] = {}
+    in_flight = 0
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            index, request = pending.pop()
+            engine.add_request(request.prompt_token_ids, bench_params(request.max_tokens), f"bench-{index}")
+            in_flight += 1
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.finished:
+                outputs[out.request_id] = list(out.token_ids)
+                in_flight -= 1
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outputs
+
+
+SERVE_PROMPT_TOKENS, SERVE_MAX_TOKENS = (16, 128), (16, 256)  # --serve's lengths, uniform, inclusive
+
+
+def varied_requests(vocab_size: int, count: int, seed: int) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(*SERVE_PROMPT_TOKENS, size=count, endpoint=True)
+    outputs = rng.integers(*SERVE_MAX_TOKENS, size=count, endpoint=True)
+    return [BenchRequest(rng.integers(FIRST_PLAIN_TOKEN, vocab_size, length).tolist(), int(max_tokens))
+            for length, max_tokens in zip(lengths, outputs)]
+
+
+def agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> list[int]:
     """Per request, how many leading greedy tokens the two engines share (fp32 rounding may split near-ties)."""
     shared = []
     for key, tokens in theirs.items():
-        mine = ours[f"bench-{key}"]
+        mine = ours[key]
         shared.append(next((i for i, (a, b) in enumerate(zip(mine, tokens)) if a != b), min(len(mine), len(tokens))))
     return shared
 
@@ -134,27 +204,56 @@ def environment(genai_model: Path, threads: int | None) -> dict[str, Any]:
             "genai_config": json.loads((genai_model / "genai_config.json").read_text())}
 
 
+
 def measure(args: argparse.Namespace, log: Any) -> tuple[dict[str, Any], bool | None]:
-    """Per N, both engines' tok/s and greedy agreement; and whether our custom ops ran."""
+    """Per workload and N, both engines' tok/s and greedy agreement; and whether our custom ops ran."""
     genai = GenaiRunner(Path(args.genai_model), args.threads)
     engine = LLMEngine(args.artifact, EngineConfig(threads=args.threads, custom_ops=args.custom_ops))
     warm_up(engine)
     vocab = engine.model.vocab_size
+
+    def equal(n: int, seed: int) -> dict[str, Run]:
+        requests = micro.random_requests(vocab, n, args.prompt_tokens, args.max_tokens, seed)
+        return {"genai": lambda: decoded(genai.run(requests)),
+                "pagedgraph": lambda: decoded(run_engine(engine, requests))}
+
+    def serve(n: int, seed: int) -> dict[str, Run]:
+        requests = varied_requests(vocab, 2 * n, seed)
+        return {"genai": lambda: serve_genai(genai, requests, n),
+                "pagedgraph": lambda: serve_engine(engine, requests, n)}
+
+    results = {"equal": compare(args, "equal", equal, args.seed, args.max_tokens, log)}
+    if args.serve:
+        results["serve"] = compare(args, "serve", serve, args.seed + 1000, None, log)
+    return results, engine.executor.custom_ops
+
+
+def decoded(record: RunRecord) -> Outcome:
+    return micro.decode_tok_s(record), record.outputs
+
+
+def compare(args: argparse.Namespace, label: str, runs_of: Callable[[int, int], dict[str, Run]], seed: int,
+            of: int | None, log: Any) -> dict[str, Any]:
+    """--rounds rounds over --counts; every run has fresh requests (the next seed: no prefix-cache hits
+    on earlier ones), the same for both engines, which take turns going first."""
     runs: dict[int, dict[str, list[float]]] = {n: {"genai": [], "pagedgraph": []} for n in args.counts}
     shared: dict[int, list[int]] = {n: [] for n in args.counts}
-    seeds = itertools.count(args.seed)  # fresh prompts for every run: no prefix-cache hits on earlier ones
+    seeds = itertools.count(seed)
     for round_index in range(args.rounds):
         for n in args.counts:
-            requests = micro.random_requests(vocab, n, args.prompt_tokens, args.max_tokens, next(seeds))
-            if round_index % 2:  # alternate who goes first, so neither always runs on the other's heels
-                ours, theirs = run_engine(engine, requests), genai.run(requests)
-            else:
-                theirs, ours = genai.run(requests), run_engine(engine, requests)
-            runs[n]["genai"].append(micro.decode_tok_s(theirs))
-            runs[n]["pagedgraph"].append(micro.decode_tok_s(ours))
-            shared[n].extend(agreement(ours.outputs, theirs.outputs))
-            print(f"round {round_index + 1} N={n}: genai {runs[n]['genai'][-1]:.1f} tok/s, "
+            engines = list(runs_of(n, next(seeds)).items())
+            outputs = {}
+            for name, run in engines[::-1] if round_index % 2 else engines:
+                tok_s, outputs[name] = run()
+                runs[n][name].append(tok_s)
+            shared[n].extend(agreement(outputs["pagedgraph"], outputs["genai"]))
+            print(f"{label} round {round_index + 1} N={n}: genai {runs[n]['genai'][-1]:.1f} tok/s, "
                   f"pagedgraph {runs[n]['pagedgraph'][-1]:.1f} tok/s (load {os.getloadavg()[0]:.2f})", file=log)
+    return summary(runs, shared, of)
+
+
+def summary(runs: dict[int, dict[str, list[float]]], shared: dict[int, list[int]], of: int | None) -> dict[str, Any]:
+    """Per N: every run, the best of each engine, their ratio and greedy agreement."""
     results = {}
     for n, by_engine in runs.items():
         best = {name: max(values) for name, values in by_engine.items()}
@@ -163,8 +262,8 @@ def measure(args: argparse.Namespace, log: Any) -> tuple[dict[str, Any], bool | 
                            "ratio_pagedgraph_over_genai": best["pagedgraph"] / best["genai"],
                            "greedy_tokens_shared_min": min(shared[n]),
                            "greedy_tokens_shared_mean": sum(shared[n]) / len(shared[n]),
-                           "greedy_tokens_shared_of": args.max_tokens}
-    return results, engine.executor.custom_ops
+                           "greedy_tokens_shared_of": of or "each request's max_tokens"}
+    return results
 
 
 def table(results: dict[str, Any]) -> str:
@@ -191,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="intra-op threads for both engines (default: each one's own)")
     parser.add_argument("--custom-ops", choices=["auto", "on", "off"], default="auto",
                         help="our ONNX Runtime custom ops (executor.custom_ops)")
+    parser.add_argument("--serve", action="store_true",
+                        help="also 2N varied requests from N concurrent clients (continuous vs static batching)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.make_hf:
@@ -201,12 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()[0]
     results, custom_ops = measure(args, sys.stderr)
     print(f"pagedgraph custom ops: {'on' if custom_ops else 'off'}")
-    print(table(results))
+    for mode, by_n in results.items():
+        print(f"{mode}:\n{table(by_n)}")
     if args.json:
         out = {"environment": environment(Path(args.genai_model), args.threads),
                "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},
                "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                            "rounds": args.rounds, "seed": args.seed, "artifact": args.artifact},
+                            "rounds": args.rounds, "seed": args.seed, "artifact": args.artifact,
+                            "serve": {"requests": "2N", "prompt_tokens": SERVE_PROMPT_TOKENS,
+                                      "max_tokens": SERVE_MAX_TOKENS, "figure": "requested output tokens / wall s"}
+                            if args.serve else None},
                "pagedgraph_custom_ops": custom_ops,
                "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)

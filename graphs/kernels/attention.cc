@@ -6,15 +6,16 @@
 // Every index is checked before anything is read or written: a bad slot or block id is an error,
 // never a write outside the pool.
 //
-// Attention is flash-style: a work item is a tile of up to kTileRows query rows of one sequence (a
-// decode row is a tile of one) against one kv head (prefill) or all of them (decode), so every query
-// head of the item shares each key and value row while it is in L1, and softmax runs online over
-// chunks of kChunk keys, so no score row longer than a chunk is ever stored.
+// Attention is flash-style: a work item is a tile of up to kTileRows query rows of one sequence against
+// one kv head (prefill), or one query row against all of them (decode), so every query head of the
+// item shares each key and value row while it is in L1, and softmax runs online over chunks of keys,
+// so no score row longer than a chunk is ever stored.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,54 +45,47 @@ struct PackedRows {
   const float *v(int64_t j) const { return value + (first + j) * width; }
 };
 
-// One work item: `rows` query rows of one sequence, `stride` floats apart, against kv heads
-// kv_head..kv_head + kv_heads - 1; row i sees keys 0..first_limit + i. Per kv head, head h = i * group + g
-// is query head (kv_head + k) * group + g of row i.
+// A prefill work item: `rows` query rows of one sequence, `stride` floats apart, against kv head
+// kv_head; row i sees keys 0..first_limit + i. Head h = i * group + g is query head kv_head * group + g
+// of row i.
 struct TileShape {
-  int64_t rows, stride, first_limit, kv_head, kv_heads, group, head_dim;
+  int64_t rows, stride, first_limit, group, head_dim;
   float scale;
-  int64_t key_begin, key_end;  // the keys this item reads: all the tile sees, or one part of a split decode
-  float *partial;              // a split decode's softmax state goes here (see Partials), else nullptr
   int64_t heads() const { return rows * group; }
-  // Head vectors per score tile: two for prefill tiles, one for decode's few heads.
+  // Head vectors per score tile: two for tall tiles, one for a few rows.
   int64_t head_vectors() const { return heads() > kLanes ? 2 : 1; }
   // Heads padded to whole score tiles (zero queries, ignored outputs).
   int64_t padded() const {
     const int64_t step = head_vectors() * kLanes;
     return (heads() + step - 1) / step * step;
   }
-  // Query (and output) offset of head h of the item's k-th kv head, from the item's first row and kv head.
-  int64_t offset_of(int64_t k, int64_t h) const { return (h / group) * stride + (k * group + h % group) * head_dim; }
+  // Query (and output) offset of head h, from the item's first row and kv head.
+  int64_t offset_of(int64_t h) const { return (h / group) * stride + (h % group) * head_dim; }
 };
 
-// One kv head's softmax state and buffers. Scores and softmax state are head-minor ([key][head],
+// A prefill item's softmax state and buffers. Scores and softmax state are head-minor ([key][head],
 // [head]), so the online softmax runs across heads in vectors; queries are stored transposed
 // ([D][head]) for the same reason.
 struct HeadState {
   float *query_t, *acc, *scores, *peak, *total, *last_key, *correction;
 };
 
-// Per-thread buffers, grown on demand and reused by every later item on that thread.
-class Scratch {
- public:
-  HeadState state(int64_t k, int64_t padded, int64_t head_dim) {
-    float *p = buffer_.data() + k * per_head(padded, head_dim);
-    HeadState s;
-    s.query_t = p, p += head_dim * padded;
-    s.acc = p, p += padded * head_dim;
-    s.scores = p, p += kChunk * padded;
-    s.peak = p, s.total = p + padded, s.last_key = p + 2 * padded, s.correction = p + 3 * padded;
-    return s;
-  }
-  void fit(int64_t kv_heads, int64_t padded, int64_t head_dim) {
-    const size_t size = kv_heads * per_head(padded, head_dim);
-    if (buffer_.size() < size) buffer_.resize(size);
-  }
+// Per-thread floats, grown on demand and reused by every later item on that thread.
+float *scratch(size_t size) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < size) buffer.resize(size);
+  return buffer.data();
+}
 
- private:
-  static int64_t per_head(int64_t padded, int64_t head_dim) { return padded * (2 * head_dim + kChunk + 4); }
-  std::vector<float> buffer_;
-};
+HeadState head_state(int64_t padded, int64_t head_dim) {
+  float *p = scratch(padded * (2 * head_dim + kChunk + 4));
+  HeadState s;
+  s.query_t = p, p += head_dim * padded;
+  s.acc = p, p += padded * head_dim;
+  s.scores = p, p += kChunk * padded;
+  s.peak = p, s.total = p + padded, s.last_key = p + 2 * padded, s.correction = p + 3 * padded;
+  return s;
+}
 
 // Asks for the rows of keys [begin, end) (the next chunk) while this one is computed: the block table
 // knows where they are, the hardware prefetcher does not (blocks are scattered over the pool).
@@ -106,7 +100,7 @@ void prefetch(const Rows &kv, int64_t begin, int64_t end, int64_t offset, int64_
 }
 
 // scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of
-// heads (12 accumulators keep both FMA pipes busy; 8 were 1.4x slower) or 8 keys x 1 for decode:
+// heads (12 accumulators keep both FMA pipes busy; 8 were 1.4x slower) or 8 keys x 1 for short tiles:
 // each key element is broadcast once per tile, each query vector loaded once per d.
 template <int64_t HV, class Rows>
 void chunk_scores(const HeadState &s, const TileShape &t, const Rows &kv, int64_t offset, int64_t j0, int64_t n) {
@@ -181,54 +175,220 @@ void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_
   }
 }
 
+// A prefill tile against one kv head (at `offset` in the K/V rows); query and out point at its first
+// row's first head of that kv head.
 template <class Rows>
-void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv) {
-  thread_local Scratch scratch;
+void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv, int64_t offset) {
   const int64_t heads = t.heads(), padded = t.padded(), dim = t.head_dim;
-  scratch.fit(t.kv_heads, padded, dim);
-  for (int64_t k = 0; k < t.kv_heads; ++k) {
-    const HeadState s = scratch.state(k, padded, dim);
-    for (int64_t h = 0; h < padded; ++h) {
-      const float *q = h < heads ? query + t.offset_of(k, h) : nullptr;
-      for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
-      s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
-    }
-    std::fill(s.acc, s.acc + padded * dim, 0.f);
-    std::fill(s.peak, s.peak + padded, -INFINITY);
-    std::fill(s.total, s.total + padded, 0.f);
+  const HeadState s = head_state(padded, dim);
+  for (int64_t h = 0; h < padded; ++h) {
+    const float *q = h < heads ? query + t.offset_of(h) : nullptr;
+    for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
+    s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
   }
-  for (int64_t j0 = t.key_begin; j0 < t.key_end; j0 += kChunk) {
-    const int64_t n = std::min(kChunk, t.key_end - j0);
-    prefetch(kv, j0 + kChunk, std::min(t.key_end, j0 + 2 * kChunk), t.kv_head * dim, t.kv_heads * dim);
-    for (int64_t k = 0; k < t.kv_heads; ++k) {  // every kv head while the chunk's rows are in L1
-      const HeadState s = scratch.state(k, padded, dim);
-      const int64_t offset = (t.kv_head + k) * dim;
-      if (t.head_vectors() == 2) {
-        chunk_scores<2>(s, t, kv, offset, j0, n);
-      } else {
-        chunk_scores<1>(s, t, kv, offset, j0, n);
-      }
-      chunk_softmax(s, t, j0, n);
-      if (dim % (2 * kLanes)) {
-        chunk_values<1>(s, t, kv, offset, j0, n);
-      } else {
-        chunk_values<2>(s, t, kv, offset, j0, n);
-      }
+  std::fill(s.acc, s.acc + padded * dim, 0.f);
+  std::fill(s.peak, s.peak + padded, -INFINITY);
+  std::fill(s.total, s.total + padded, 0.f);
+  const int64_t keys = t.first_limit + t.rows;
+  for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, keys - j0);
+    prefetch(kv, j0 + kChunk, std::min(keys, j0 + 2 * kChunk), offset, dim);
+    if (t.head_vectors() == 2) {
+      chunk_scores<2>(s, t, kv, offset, j0, n);
+    } else {
+      chunk_scores<1>(s, t, kv, offset, j0, n);
+    }
+    chunk_softmax(s, t, j0, n);
+    if (dim % (2 * kLanes)) {
+      chunk_values<1>(s, t, kv, offset, j0, n);
+    } else {
+      chunk_values<2>(s, t, kv, offset, j0, n);
     }
   }
-  for (int64_t k = 0; k < t.kv_heads; ++k) {
-    const HeadState s = scratch.state(k, padded, dim);
-    for (int64_t h = 0; h < heads; ++h) {
-      if (t.partial) {  // a decode row: head h of kv head k is query head (kv_head + k) * group + h
-        float *state = t.partial + ((t.kv_head + k) * t.group + h) * (dim + 2);
-        std::copy(s.acc + h * dim, s.acc + (h + 1) * dim, state);
-        state[dim] = s.peak[h], state[dim + 1] = s.total[h];
-        continue;
+  for (int64_t h = 0; h < heads; ++h) {
+    float *o = out + t.offset_of(h);
+    const float inv = 1.f / s.total[h];
+    for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
+  }
+}
+
+// -- Decode rows ----------------------------------------------------------------------------------
+// A decode row has only `group` query heads per kv head (3 for SmolLM2), too few to fill a vector of
+// heads, so its scores are kept key-minor instead ([head][key]): dot products run along D and are
+// reduced across lanes, and the softmax runs over whole vectors of keys.
+
+constexpr int64_t kDecodeChunk = 2 * kLanes;  // keys per online-softmax step
+constexpr int64_t kKeyTile = 4;               // keys per score tile
+constexpr int64_t kHeadTile = 3;              // heads per score and value tile (3 x 4 accumulators)
+
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's hadd)
+inline f32x8 pair_sums(f32x8 a, f32x8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// out[i] = the sum of v[i]'s lanes, for four vectors.
+inline void store_sums4(const f32x8 *v, float *out) {
+  const f32x8 u = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));  // [0 1 2 3] low halves, then high
+  const f32x4 sums = __builtin_shufflevector(u, u, 0, 1, 2, 3) + __builtin_shufflevector(u, u, 4, 5, 6, 7);
+  std::memcpy(out, &sums, sizeof sums);
+}
+
+inline float max_of(f32x8 v) {
+  float top = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) top = std::max(top, v[i]);
+  return top;
+}
+
+// One decode row's state: queries (scaled), unnormalized outputs, one chunk's scores and, per head,
+// the running peak, total (kept as a vector of lane sums until the end) and this chunk's correction.
+struct RowState {
+  float *query, *acc, *scores, *peak, *total, *correction;
+};
+
+RowState row_state(int64_t heads, int64_t head_dim) {
+  const int64_t padded = (heads + kLanes - 1) / kLanes * kLanes;
+  float *p = scratch(2 * heads * head_dim + heads * (kDecodeChunk + kLanes) + 2 * padded);
+  RowState s;
+  s.query = p, p += heads * head_dim;
+  s.acc = p, p += heads * head_dim;
+  s.scores = p, p += heads * kDecodeChunk;
+  s.total = p, p += heads * kLanes;
+  s.peak = p, s.correction = p + padded;
+  return s;
+}
+
+// scores[h][j] = q_h . k_j for HB heads and the chunk's n keys (rows in `keys`), in tiles of HB heads x
+// kKeyTile keys whose accumulators run along D.
+template <int64_t HB>
+void row_scores(const float *query, const float *const *keys, int64_t offset, int64_t n, int64_t dim, float *scores) {
+  for (int64_t j = 0; j < n; j += kKeyTile) {
+    const float *k[kKeyTile];
+    for (int64_t i = 0; i < kKeyTile; ++i) k[i] = keys[std::min(j + i, n - 1)] + offset;  // past n: masked later
+    f32x8 acc[HB][kKeyTile] = {};
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      f32x8 q[HB];
+      for (int64_t h = 0; h < HB; ++h) q[h] = load8(query + h * dim + d);
+      for (int64_t i = 0; i < kKeyTile; ++i) {
+        const f32x8 key = load8(k[i] + d);
+        for (int64_t h = 0; h < HB; ++h) acc[h][i] += q[h] * key;
       }
-      float *o = out + t.offset_of(k, h);
-      const float inv = 1.f / s.total[h];
-      for (int64_t d = 0; d < dim; ++d) o[d] = s.acc[h * dim + d] * inv;
     }
+    for (int64_t h = 0; h < HB; ++h) store_sums4(acc[h], scores + h * kDecodeChunk + j);
+  }
+}
+
+// acc_h = acc_h * correction_h + sum_j p[h][j] v_j for HB heads, in tiles of HB heads x W vectors of D.
+template <int64_t HB, int64_t W>
+void row_values(const RowState &s, int64_t head, const float *const *values, int64_t offset, int64_t n, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += W * kLanes) {
+    f32x8 tile[HB][W];
+    for (int64_t h = 0; h < HB; ++h)
+      for (int64_t w = 0; w < W; ++w) tile[h][w] = load8(s.acc + (head + h) * dim + d + w * kLanes) * s.correction[head + h];
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t w = 0; w < W; ++w) {
+        const f32x8 v = load8(values[j] + offset + d + w * kLanes);
+        for (int64_t h = 0; h < HB; ++h) tile[h][w] += s.scores[(head + h) * kDecodeChunk + j] * v;
+      }
+    for (int64_t h = 0; h < HB; ++h)
+      for (int64_t w = 0; w < W; ++w) store8(s.acc + (head + h) * dim + d + w * kLanes, tile[h][w]);
+  }
+}
+
+// Online softmax of every head over the chunk's n keys: scores become exp(score - running peak) (0 past
+// n), `correction[h]` rescales what head h accumulated before.
+void row_softmax(const RowState &s, int64_t heads, int64_t n) {
+  const f32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  float *const top = s.correction;  // this chunk's peaks, until the corrections replace them
+  for (int64_t h = 0; h < heads; ++h) {
+    f32x8 best = f32x8{} - INFINITY;
+    for (int64_t v = 0; v < kDecodeChunk; v += kLanes) {
+      f32x8 score = load8(s.scores + h * kDecodeChunk + v);
+      score = lane + static_cast<float>(v) < static_cast<float>(n) ? score : f32x8{} - INFINITY;
+      store8(s.scores + h * kDecodeChunk + v, score);
+      best = score > best ? score : best;
+    }
+    top[h] = std::max(s.peak[h], max_of(best));
+  }
+  for (int64_t h = 0; h < heads; h += kLanes) {  // corrections in vectors of heads
+    const f32x8 peak = load8(s.peak + h), next = load8(top + h);
+    store8(s.peak + h, next);
+    store8(s.correction + h, exp8(peak - next));
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    f32x8 total = load8(s.total + h * kLanes) * s.correction[h];
+    for (int64_t v = 0; v < kDecodeChunk; v += kLanes) {
+      float *row = s.scores + h * kDecodeChunk + v;
+      const f32x8 p = exp8(load8(row) - s.peak[h]);
+      store8(row, p);
+      total += p;
+    }
+    store8(s.total + h * kLanes, total);
+  }
+}
+
+// Runs body(head, HB) over head tiles of a kv head's `group` heads starting at `first`.
+template <class Body>
+void for_head_tiles(int64_t first, int64_t group, const Body &body) {
+  for (int64_t g = 0; g < group; g += kHeadTile) {
+    const int64_t left = group - g;
+    if (left >= 3) {
+      body(first + g, std::integral_constant<int64_t, 3>{});
+    } else if (left == 2) {
+      body(first + g, std::integral_constant<int64_t, 2>{});
+    } else {
+      body(first + g, std::integral_constant<int64_t, 1>{});
+    }
+  }
+}
+
+// One query row (every head, `stride`-free: query and out point at the row) against keys [begin, end),
+// all visible. A split row's part leaves its softmax state in `partial` (see Partials) instead.
+template <class Rows>
+void attend_row(const float *query, float *out, const Rows &kv, const pg_attention_dims &dims, int64_t begin,
+                int64_t end, float *partial) {
+  const int64_t heads = dims.head_num, group = heads / dims.kv_head_num, dim = dims.head_dim;
+  const RowState s = row_state(heads, dim);
+  const int64_t padded = (heads + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = query[i] * dims.qk_scale;
+  std::fill(s.acc, s.acc + heads * dim, 0.f);
+  std::fill(s.total, s.total + heads * kLanes, 0.f);
+  std::fill(s.peak, s.peak + padded, -INFINITY);
+  std::fill(s.correction, s.correction + padded, -INFINITY);
+  const int64_t width = dims.kv_head_num * dim;
+  const float *keys[kDecodeChunk], *values[kDecodeChunk];
+  for (int64_t j0 = begin; j0 < end; j0 += kDecodeChunk) {
+    const int64_t n = std::min(kDecodeChunk, end - j0);
+    prefetch(kv, j0 + kDecodeChunk, std::min(end, j0 + 2 * kDecodeChunk), 0, width);
+    for (int64_t j = 0; j < n; ++j) keys[j] = kv.k(j0 + j), values[j] = kv.v(j0 + j);
+    for (int64_t k = 0; k < dims.kv_head_num; ++k)
+      for_head_tiles(k * group, group, [&](int64_t head, auto tile) {
+        row_scores<decltype(tile)::value>(s.query + head * dim, keys, k * dim, n, dim, s.scores + head * kDecodeChunk);
+      });
+    row_softmax(s, heads, n);
+    for (int64_t k = 0; k < dims.kv_head_num; ++k)
+      for_head_tiles(k * group, group, [&](int64_t head, auto tile) {
+        if (dim % (4 * kLanes)) {
+          row_values<decltype(tile)::value, 1>(s, head, values, k * dim, n, dim);
+        } else {
+          row_values<decltype(tile)::value, 4>(s, head, values, k * dim, n, dim);
+        }
+      });
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const f32x8 lanes = load8(s.total + h * kLanes);
+    float total = 0.f;
+    for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
+    const float *acc = s.acc + h * dim;
+    if (partial) {
+      float *state = partial + h * (dim + 2);
+      std::copy(acc, acc + dim, state);
+      state[dim] = s.peak[h], state[dim + 1] = total;
+      continue;
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = acc[d] * inv;
   }
 }
 
@@ -254,9 +414,10 @@ void zero_padding(float *out, const int32_t *cu, int64_t batch, int64_t tokens, 
   std::memset(out + cu[batch] * width, 0, sizeof(float) * (tokens - cu[batch]) * width);
 }
 
-// A work item: rows of one sequence against a run of kv heads and a range of keys (see TileShape).
+// A work item: a prefill tile of rows of one sequence against kv head `kv_head` (see TileShape), or
+// one row against every kv head and keys [key_begin, key_end) (attend_row).
 struct Item {
-  int64_t seq, first_row, rows, kv_head, kv_heads, key_begin, key_end;
+  int64_t seq, first_row, rows, kv_head, key_begin, key_end;
   int64_t part;  // >= 0: one of `parts` key ranges of a split decode row, its slot in Partials
   int64_t parts;
 };
@@ -286,12 +447,12 @@ const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_h
     for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, cu[b + 1] - r), keys = rows_of(b, r).second + rows;
       if (rows > 1) {
-        for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 1, 0, keys, -1, 1});
+        for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 0, keys, -1, 1});
         continue;
       }
       const int64_t parts = std::max<int64_t>(1, std::min(parts_wanted, keys / kSplitKeys));
       for (int64_t p = 0; p < parts; ++p)
-        items.push_back({b, r, 1, 0, kv_heads, keys * p / parts, keys * (p + 1) / parts, parts > 1 ? next_part + p : -1, parts});
+        items.push_back({b, r, 1, 0, keys * p / parts, keys * (p + 1) / parts, parts > 1 ? next_part + p : -1, parts});
       next_part += parts > 1 ? parts : 0;
     }
   split_parts = next_part;
@@ -338,11 +499,15 @@ void for_each_item(const float *query, float *out, const int32_t *cu, int64_t ba
   pg::parallel_for(runner, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item &item = items[i];
     const auto [rows, first_limit] = rows_of(item.seq, item.first_row);
-    float *partial = item.part < 0 ? nullptr : partial_base + item.part * dims.head_num * (dims.head_dim + 2);
-    const TileShape shape{item.rows, q_width, first_limit, item.kv_head, item.kv_heads, group, dims.head_dim,
-                          dims.qk_scale, item.key_begin, item.key_end, partial};
+    if (item.rows == 1) {
+      float *partial = item.part < 0 ? nullptr : partial_base + item.part * dims.head_num * (dims.head_dim + 2);
+      const int64_t row = item.first_row * q_width;
+      attend_row(query + row, out + row, rows, dims, item.key_begin, item.key_end, partial);
+      return;
+    }
+    const TileShape shape{item.rows, q_width, first_limit, group, dims.head_dim, dims.qk_scale};
     const int64_t offset = item.first_row * q_width + item.kv_head * group * dims.head_dim;
-    attend_tile(query + offset, out + offset, shape, rows);
+    attend_tile(query + offset, out + offset, shape, rows, item.kv_head * dims.head_dim);
   });
   merge_parts(items, partials, out, q_width, dims.head_num, dims.head_dim);
 }
