@@ -215,17 +215,18 @@ class LLMEngine:
 
     def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any) -> list[RequestOutput]:
         rows, ready = [], []
+        in_order = True  # rows == 0, 1, 2, ...: every row sampled once, in order (decode steps)
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 for s in self._fork(seq):
+                    in_order = in_order and i == len(rows)
                     rows.append(i)
                     ready.append(s)
         groups: dict[str, list[Sequence]] = {}
         if ready:
-            # Decode steps sample every row in order: a view, not a per-step copy of B x vocab floats
-            # (1.6 ms of host time per step at B=16).
-            sampled = logits[:len(rows)] if rows == list(range(len(rows))) else logits[rows]
+            # In order, a view instead of a per-step copy of B x vocab floats (1.6 ms of host time at B=16).
+            sampled = logits[:len(rows)] if in_order else logits[rows]
             for row, seq, token in zip(sampled, ready, sample(sampled, ready)):
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))

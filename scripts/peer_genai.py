@@ -91,8 +91,9 @@ class GenaiRunner:
         self.pad = json.loads((model_dir / "genai_config.json").read_text())["model"]["pad_token_id"]
         self.run([BenchRequest(list(range(100, 108)), 2)])  # session start-up, as runner.warm_up
 
-    def generate(self, requests: list[BenchRequest]) -> dict[int, list[int]]:
-        """One static batch, prompts right-padded; every request computes max(max_tokens) tokens."""
+    def generate(self, requests: list[BenchRequest], on_token: Callable[[], None] = lambda: None) -> list[list[int]]:
+        """One static batch, greedy, prompts right-padded with the pad token (genai's convention); every request
+        computes max(max_tokens) tokens (min_length = max_length: EOS cannot stop it). `on_token` runs after each."""
         width = max(len(r.prompt_token_ids) for r in requests)
         total = width + max(r.max_tokens for r in requests)
         params = self.og.GeneratorParams(self.model)
@@ -101,33 +102,26 @@ class GenaiRunner:
         generator.append_tokens(np.array([r.prompt_token_ids + [self.pad] * (width - len(r.prompt_token_ids))
                                           for r in requests], dtype=np.int32))
         while not generator.is_done():
-            generator.generate_next_token()
-        return {key: generator.get_sequence(key)[width:width + r.max_tokens].tolist()
-                for key, r in enumerate(requests)}
+            generator.generate_next_token()  # the first only samples the prompt's logits; later ones run a step
+            on_token()
+        return [generator.get_sequence(key)[width:width + r.max_tokens].tolist() for key, r in enumerate(requests)]
 
     def run(self, requests: list[BenchRequest]) -> RunRecord:
-        """Greedy, min_length = max_length so every request computes exactly its max_tokens."""
-        prompt_len, max_tokens = len(requests[0].prompt_token_ids), requests[0].max_tokens
-        if any(len(r.prompt_token_ids) != prompt_len or r.max_tokens != max_tokens for r in requests):
-            raise ValueError("genai's static batch needs equal prompt lengths and max_tokens (no padding here)")
-        total = prompt_len + max_tokens
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, min_length=total, max_length=total, batch_size=len(requests))
-        record = RunRecord(requests=len(requests), prompt_tokens=prompt_len * len(requests),
-                           output_tokens=max_tokens * len(requests))
-        keys = range(len(requests))
+        """One static batch of equal requests, every token timed, as run_engine times ours."""
+        record = RunRecord(requests=len(requests), prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+                           output_tokens=sum(r.max_tokens for r in requests))
+        keys = [f"bench-{i}" for i in range(len(requests))]
         start = time.perf_counter()
         for key in keys:
             record.timeline.arrive(key, start)
-        generator = self.og.Generator(self.model, params)
-        generator.append_tokens(np.array([r.prompt_token_ids for r in requests], dtype=np.int32))
-        while not generator.is_done():
-            generator.generate_next_token()  # the first only samples the prompt's logits; later ones run a step
+
+        def tokens() -> None:
             now = time.perf_counter()
             for key in keys:
                 record.timeline.tokens(key, 1, now)
+
+        record.outputs = dict(zip(keys, self.generate(requests, tokens)))
         record.wall_s = time.perf_counter() - start
-        record.outputs = {f"bench-{key}": generator.get_sequence(key)[prompt_len:].tolist() for key in keys}
         return record
 
 
@@ -142,7 +136,7 @@ def serve_genai(genai: GenaiRunner, requests: list[BenchRequest], concurrency: i
     start = time.perf_counter()
     for first in range(0, len(requests), concurrency):
         batch = genai.generate(requests[first:first + concurrency])
-        outputs.update({f"bench-{first + key}": tokens for key, tokens in batch.items()})
+        outputs.update({f"bench-{first + i}": tokens for i, tokens in enumerate(batch)})
     return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outputs
 
 

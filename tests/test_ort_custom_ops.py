@@ -20,12 +20,13 @@ import pytest
 
 from graphs import contract as c
 from graphs import ops
-from graphs.contract import DECODE, PREFILL, Gear
 from graphs.kernels import ort_headers, ort_library_path
 from graphs.kernels.build import cache_root
 from graphs.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
-from graphs.manifest import Manifest
-from runtime.executor_ort import OrtExecutor, register_custom_ops
+from runtime.engine import EngineConfig, LLMEngine
+from runtime.executor_ort import register_custom_ops
+from runtime.sampling_params import SamplingParams
+from tests.mindspore_support import RecordingExecutor
 from tests.op_models import one_node_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
@@ -232,48 +233,26 @@ def test_header_is_extracted_from_a_deb() -> None:
         ort_headers._header_from_deb(_ar({"debian-binary": b"2.0\n"}))
 
 
-def _fill(gear: Gear, seqs: list[tuple[list[int], int, list[int]]], block_size: int) -> dict[str, np.ndarray]:
-    """Gear inputs for (tokens fed this step, tokens already cached, block table) per sequence, packer-style."""
-    inputs = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
-    row = 0
-    for b, (tokens, cached, table) in enumerate(seqs):
-        positions = np.arange(cached, cached + len(tokens))
-        inputs[c.INPUT_IDS][row:row + len(tokens)] = tokens
-        inputs[c.POSITIONS][row:row + len(tokens)] = positions
-        inputs[c.SLOT_MAPPING][row:row + len(tokens)] = np.array(table)[positions // block_size] * block_size \
-            + positions % block_size
-        inputs[c.BLOCK_TABLES][b, :len(table)] = table
-        inputs[c.CU_SEQLENS_Q][b] = row
-        row += len(tokens)
-        inputs[c.CONTEXT_LENS][b] = cached + len(tokens)
-        inputs[c.LOGITS_INDICES][b] = row - 1
-    inputs[c.CU_SEQLENS_Q][len(seqs):] = row
-    return inputs
+def _run(artifact: Path, custom_ops: str, prompts: list[list[int]]) -> RecordingExecutor:
+    """The engine (its own scheduler and packer) serving `prompts` greedily, every step's logits recorded."""
+    engine = LLMEngine(artifact, EngineConfig(num_blocks=16, threads=2, custom_ops=custom_ops))
+    recorder = engine.executor = RecordingExecutor(engine.executor)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished():
+        engine.step()
+    return recorder
 
 
 def test_bucket_graph_same_logits_with_custom_ops_on_and_off(library: Path, tiny_artifact: Path) -> None:
-    manifest = Manifest.load(tiny_artifact)
-    executors = {mode: OrtExecutor(tiny_artifact, manifest, num_blocks=16, threads=2, custom_ops=mode)
-                 for mode in ("on", "off")}
-    assert executors["on"].custom_ops and not executors["off"].custom_ops
-    prefill, decode = (min(manifest.families[f].gears) for f in (PREFILL, DECODE))
-    bs = manifest.block_size
     prompts = [list(range(3, 40)), [7, 8, 9], list(range(50, 70))]
-    tables = [[1, 2, 3], [4], [5, 6]]
-    steps = [(prefill, _fill(prefill, [(p, 0, t) for p, t in zip(prompts, tables)], bs))]
-    lengths = [len(p) for p in prompts]
-    for step in range(3):
-        seqs = [([11 + step + b], n + step, t) for b, (n, t) in enumerate(zip(lengths, tables))]
-        steps.append((decode, _fill(decode, seqs, bs)))
-    buffers: dict[tuple[str, Gear], dict[str, np.ndarray]] = {}  # an executor binds a gear's buffers once
-    for gear, inputs in steps:
-        logits = {}
-        for mode, executor in executors.items():
-            bound = buffers.setdefault((mode, gear), {k: np.empty_like(v) for k, v in inputs.items()})
-            for name, array in inputs.items():
-                np.copyto(bound[name], array)
-            logits[mode] = executor.run(gear, bound).copy()
-        assert logits["on"].std() > 0.1
-        np.testing.assert_allclose(logits["on"], logits["off"], rtol=1e-4, atol=1e-4)
-    for name, pool in executors["on"].pools.items():
-        np.testing.assert_allclose(pool, executors["off"].pools[name], rtol=1e-5, atol=1e-5)
+    runs = {mode: _run(tiny_artifact, mode, prompts) for mode in ("on", "off")}
+    assert runs["on"].custom_ops and not runs["off"].custom_ops
+    assert [g for g, _ in runs["on"].steps] == [g for g, _ in runs["off"].steps]
+    assert {g.tokens > g.seqs for g, _ in runs["on"].steps} == {True, False}, "a prefill gear, then decode gears"
+    for (gear, on), (_, off) in zip(runs["on"].steps, runs["off"].steps):
+        assert on.std() > 0.1
+        np.testing.assert_allclose(on, off, rtol=1e-4, atol=1e-4, err_msg=f"gear {gear}")
+    for name, pool in runs["on"].pools.items():
+        np.testing.assert_allclose(pool, runs["off"].pools[name], rtol=1e-5, atol=1e-5)

@@ -45,9 +45,8 @@ struct PackedRows {
   const float *v(int64_t j) const { return value + (first + j) * width; }
 };
 
-// A prefill work item: `rows` query rows of one sequence, `stride` floats apart, against kv head
-// kv_head; row i sees keys 0..first_limit + i. Head h = i * group + g is query head kv_head * group + g
-// of row i.
+// A prefill work item: `rows` query rows of one sequence, `stride` floats apart, against one kv head k;
+// row i sees keys 0..first_limit + i. Head h = i * group + g is query head k * group + g of row i.
 struct TileShape {
   int64_t rows, stride, first_limit, group, head_dim;
   float scale;
@@ -92,11 +91,13 @@ HeadState head_state(int64_t padded, int64_t head_dim) {
 template <class Rows>
 void prefetch(const Rows &kv, int64_t begin, int64_t end, int64_t offset, int64_t width) {
   constexpr int64_t kLine = 64 / sizeof(float);
-  for (int64_t j = begin; j < end; ++j)
+  for (int64_t j = begin; j < end; ++j) {
+    const float *k = kv.k(j) + offset, *v = kv.v(j) + offset;
     for (int64_t x = 0; x < width; x += kLine) {
-      __builtin_prefetch(kv.k(j) + offset + x);
-      __builtin_prefetch(kv.v(j) + offset + x);
+      __builtin_prefetch(k + x);
+      __builtin_prefetch(v + x);
     }
+  }
 }
 
 // scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of

@@ -135,7 +135,7 @@ OrtStatus *read_dims(const OrtKernelInfo *info, pg_attention_dims &dims) {
   return nullptr;
 }
 
-// `dims` with head_dim = the query's width / head_num.
+// `dims` with head_dim = the query's width / head_num; the query must be [tokens, head_num * head_dim].
 OrtStatus *with_head_dim(pg_attention_dims dims, const Shape &query, pg_attention_dims &out) {
   if (query.size() != 2 || query[1] % dims.head_num)
     return invalid("query has shape " + shape_text(query) + ", expected [tokens, head_num * head_dim] with head_num " +
@@ -164,7 +164,6 @@ struct PagedAttention {
     RETURN_IF_ERROR(get_inputs(context, query, k_cache, v_cache, tables, context_lens, cu));
     pg_attention_dims d;
     RETURN_IF_ERROR(with_head_dim(dims, query.shape, d));
-    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, d.head_num * d.head_dim}));
     RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, d.kv_head_num * d.head_dim}));
     RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
     RETURN_IF_ERROR(check_shape("block_tables", tables.shape, {-1, -1}));
@@ -194,7 +193,6 @@ struct SelfAttention {
     RETURN_IF_ERROR(get_inputs(context, query, key, value, cu));
     pg_attention_dims d;
     RETURN_IF_ERROR(with_head_dim(dims, query.shape, d));
-    RETURN_IF_ERROR(check_shape("query", query.shape, {-1, d.head_num * d.head_dim}));
     const int64_t tokens = query.shape[0];
     RETURN_IF_ERROR(check_shape("key", key.shape, {tokens, d.kv_head_num * d.head_dim}));
     RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
