@@ -14,6 +14,9 @@ from typing import Callable, Iterable, TextIO
 import numpy as np
 import onnx
 
+from artifact.manifest import MANIFEST, Family, Manifest, file_sha256
+from artifact.mindir import INDEX as MINDIR_INDEX
+from artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from exporter.buckets import plan_gears
 from exporter.checkpoint import read_checkpoint
 from exporter.checkpoint.base import Checkpoint
@@ -25,9 +28,6 @@ from graphs import contract as c
 from graphs import llama
 from graphs.config import ModelConfig
 from graphs.contract import Gear
-from graphs.manifest import MANIFEST, Family, Manifest, file_sha256
-from graphs.mindir import INDEX as MINDIR_INDEX
-from graphs.mindir import WEIGHTS as MINDIR_WEIGHTS
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from graphs.settings import ConfigError
+from artifact.settings import ConfigError
 from runtime.executors import CUSTOM_OPS
 
 
 def _export(args: argparse.Namespace) -> int:
     from exporter.config import ExportConfig
     from exporter.export import export
-    from graphs.settings import load_yaml
+    from artifact.settings import load_yaml
 
     formats = args.formats.split(",") if args.formats else None
     config = load_yaml(ExportConfig, args.config, {"model.source": args.model, "export.formats": formats,
@@ -88,8 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from exporter.config import ExportConfig
     from exporter.export import export
-    from graphs.manifest import MANIFEST
-    from graphs.settings import load_yaml
+    from artifact.manifest import MANIFEST
+    from artifact.settings import load_yaml
     from runtime.deploy_config import load_deployment
     from runtime.server.launch import serve
 

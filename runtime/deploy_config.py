@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from artifact.manifest import Manifest
+from artifact.settings import ConfigError, Settings, load_yaml
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.manifest import Manifest
-from graphs.settings import ConfigError, Settings, load_yaml
 from runtime.engine import EngineConfig
 from runtime.executors import CustomOps
 from runtime.sampling_params import RequestError, SamplingParams

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 
+from artifact.manifest import Manifest
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.manifest import Manifest
 from runtime.block_pool import CacheStats
 from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from artifact.manifest import ArtifactError, Manifest
+from artifact.mindir import MindirIndex, import_mindspore
 from graphs import contract as c
 from graphs.contract import Gear
-from graphs.kernels import library_path
-from graphs.kernels.binding import set_threads
-from graphs.manifest import ArtifactError, Manifest
-from graphs.mindir import MindirIndex, import_mindspore
+from kernels.binding import set_threads
+from kernels.build import library_path
 
 
 class MindSporeExecutor:

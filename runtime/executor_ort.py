@@ -6,7 +6,7 @@ IOBinding per gear is built once and reused, its input OrtValues wrapping the pa
 buffers (refilled in place).
 
 With pagedgraph's custom-op library registered, PagedAttention, ReshapeAndCache, SelfAttention, Rope
-and SwiGLU each run as one C++ kernel (graphs/kernels/ort_ops.cc) instead of their inlined function bodies:
+and SwiGLU each run as one C++ kernel (kernels/ort_ops.cc) instead of their inlined function bodies:
 ORT prefers a registered kernel to a model-local function, so the artifact stays unchanged.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
+from artifact.manifest import Manifest
 from graphs import contract as c
 from graphs.contract import Gear
-from graphs.kernels import KernelBuildError, ort_library_path
-from graphs.kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
-from graphs.manifest import Manifest
+from kernels.build import KernelBuildError, ort_library_path
+from kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
 from runtime.executors import CustomOps, check_custom_ops
 
 log = logging.getLogger(__name__)

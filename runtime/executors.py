@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from graphs.manifest import Manifest
+from artifact.manifest import Manifest
 
 EXECUTORS = ("onnxruntime", "mindspore")
 # Whether the ONNX Runtime executor runs the fused ops as pagedgraph's C++ custom ops (runtime/executor_ort.py).

@@ -5,9 +5,9 @@ import bisect
 
 import numpy as np
 
+from artifact.manifest import Manifest
 from graphs import contract as c
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.manifest import Manifest
 from runtime.scheduler import ScheduledBatch
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import psutil
 
-from graphs.manifest import Manifest
+from artifact.manifest import Manifest
 from runtime.deploy_config import load_deployment
 from runtime.workloads import shared_prefix_workload
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from artifact.manifest import MANIFEST, ArtifactError, Manifest
 from exporter.export import WEIGHTS
-from graphs.manifest import MANIFEST, ArtifactError, Manifest
 from pagedgraph.cli import main
 from runtime.engine import LLM
 from tests.random_checkpoint import write_random_llama

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphs.manifest import ArtifactError
+from artifact.manifest import ArtifactError
 from runtime.bench import workloads
 from runtime.bench.naive import NAIVE_GRAPH, NaiveRunner
 from runtime.bench.report import markdown_table, text_table

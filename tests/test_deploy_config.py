@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from artifact.manifest import Family, Manifest
+from artifact.settings import ConfigError
 from graphs.config import ModelConfig
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.manifest import Family, Manifest
-from graphs.settings import ConfigError
 from pagedgraph.cli import main
 from runtime.deploy_config import Deployment, engine_config, load_deployment
 from runtime.engine import EngineConfig

@@ -6,14 +6,14 @@ import pytest
 
 from graphs import ops
 from graphs.contract import NULL_BLOCK
-from graphs.kernels import KernelBuildError, library_path
+from kernels.build import KernelBuildError, library_path
 
 try:
     library_path()
 except KernelBuildError as exc:  # pragma: no cover - CI has g++
     pytest.skip(f"kernels cannot be built: {exc}", allow_module_level=True)
 
-from graphs.kernels import binding  # noqa: E402
+from kernels import binding  # noqa: E402
 
 HEADS = [(4, 4), (4, 2), (8, 2), (9, 3), (6, 1)]  # (head_num, kv_head_num): MHA, GQA ratios, MQA
 
@@ -160,9 +160,9 @@ def test_out_of_pool_indices_are_errors_not_writes() -> None:
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from graphs.kernels import build
+    from kernels import build, cache
 
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))  # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     with pytest.raises(KernelBuildError, match=r"no C\+\+ compiler found .*apt-get install g\+\+"):

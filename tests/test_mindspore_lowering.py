@@ -13,14 +13,14 @@ from tests.mindspore_support import RecordingExecutor, export_artifact, require_
 
 require_mindspore()
 
+from artifact.manifest import ArtifactError, Manifest  # noqa: E402
+from artifact.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
 from exporter.checkpoint import read_checkpoint  # noqa: E402
 from exporter.mindspore.builder import MindSporeBuilder, load_cell_class  # noqa: E402
 from exporter.mindspore.readback import read_ops  # noqa: E402
 from graphs import contract as c  # noqa: E402
 from graphs import llama, ops  # noqa: E402
 from graphs.contract import Gear  # noqa: E402
-from graphs.manifest import ArtifactError, Manifest  # noqa: E402
-from graphs.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
 from graphs.reference import NumpyBuilder  # noqa: E402
 from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
@@ -214,7 +214,7 @@ def test_self_attention_runs_on_cpu_and_lowers_to_flash_attention_tnd(tmp_path: 
 
     from exporter.mindspore.ascend_ops import AscendOps
     from exporter.mindspore.cpu_ops import CpuOps
-    from graphs.kernels import library_path
+    from kernels.build import library_path
 
     attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.25)
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""pagedgraph's ONNX Runtime custom ops (graphs/kernels/ort_ops.cc) in real ORT sessions.
+"""pagedgraph's ONNX Runtime custom ops (kernels/ort_ops.cc) in real ORT sessions.
 
 Each op equals its numpy reference, runs as ONE kernel in place of its function body, writes the
 pools in place under IOBinding aliasing, and a whole bucket graph gives the same logits with the
@@ -20,9 +20,10 @@ import pytest
 
 from graphs import contract as c
 from graphs import ops
-from graphs.kernels import ort_headers, ort_library_path
-from graphs.kernels.build import cache_root
-from graphs.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
+from kernels import ort_headers
+from kernels.build import ort_library_path
+from kernels.cache import cache_root
+from kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.executor_ort import register_custom_ops
 from runtime.sampling_params import SamplingParams
@@ -206,7 +207,7 @@ def test_register_modes(library: Path, monkeypatch: pytest.MonkeyPatch, tmp_path
         register_custom_ops(ort.SessionOptions(), "on")
     with caplog.at_level(logging.WARNING):
         assert not register_custom_ops(ort.SessionOptions(), "auto")
-    assert "python -m graphs.kernels.ort_headers" in caplog.text
+    assert "python -m kernels.ort_headers" in caplog.text
     with pytest.raises(ValueError, match="custom_ops"):
         register_custom_ops(ort.SessionOptions(), "yes")  # type: ignore[arg-type]
 

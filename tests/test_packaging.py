@@ -22,7 +22,7 @@ def test_wheel_carries_the_kernel_sources(tmp_path: Path) -> None:
                     "-w", str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("pagedgraph-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    kernels = REPO / "graphs" / "kernels"
-    sources = {f"graphs/kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
+    kernels = REPO / "kernels"
+    sources = {f"kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
     assert sources, "no kernel sources found"
     assert not sources - shipped, f"missing from the wheel: {sorted(sources - shipped)}"

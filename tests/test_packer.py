@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from artifact.manifest import Family, Manifest
 from graphs import contract as c
 from graphs.config import ModelConfig
 from graphs.contract import DECODE, PREFILL, Gear
-from graphs.manifest import Family, Manifest
 from runtime.packer import Packer
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
+from artifact.settings import ConfigError
 from graphs.contract import INPUT_IDS
-from graphs.settings import ConfigError
 from runtime.deploy_config import engine_config, load_deployment
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from runtime.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """The op set on MindSpore CPU: standard ops plus pagedgraph's C++ kernels as `ops.Custom(func_type="aot")`.
 
 MindSpore has no CPU kernels for its own PagedAttention/ReshapeAndCache, so the fused ops run
-graphs/kernels through the AOT interface. Method bodies are MindSpore graph code: they are
+kernels/ through the AOT interface. Method bodies are MindSpore graph code: they are
 parsed by GRAPH_MODE, not run by Python.
 """
 from __future__ import annotations

@@ -14,13 +14,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, gear_key, import_mindspore,
+                             write_weights)
 from exporter.checkpoint.base import Checkpoint
 from exporter.mindspore.builder import MindSporeBuilder, load_cell_class, weight_attribute
 from graphs import contract as c
 from graphs import llama
 from graphs.contract import DECODE, Gear
-from graphs.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, gear_key, import_mindspore,
-                           write_weights)
 
 DTYPES = {"cpu": np.float32, "ascend": np.float16}
 
@@ -62,7 +62,7 @@ def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights:
     """Record llama.build against the target's op set and instantiate the generated Cell."""
     if target == "cpu":
         from exporter.mindspore.cpu_ops import CpuOps
-        from graphs.kernels import library_path
+        from kernels.build import library_path
 
         op_set: Any = CpuOps(library_path())
     else:

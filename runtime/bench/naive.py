@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from artifact.manifest import ArtifactError, Manifest
 from graphs import contract as c
-from graphs.manifest import ArtifactError, Manifest
 from runtime.bench.metrics import RunRecord
 from runtime.bench.workloads import BenchRequest
 from runtime.executor_ort import session_options

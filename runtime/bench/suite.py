@@ -16,9 +16,9 @@ from typing import Any, TextIO
 import numpy as np
 import onnxruntime as ort
 
-from runtime.bench import micro, workloads
+from artifact.manifest import Manifest
 from graphs.contract import PREFILL
-from graphs.manifest import Manifest
+from runtime.bench import micro, workloads
 from runtime.bench.metrics import RunRecord, peak_rss_bytes, percentile
 from runtime.bench.naive import NaiveRunner
 from runtime.bench.runner import run_engine, warm_up

@@ -13,9 +13,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from artifact.manifest import Manifest
+from artifact.settings import ConfigError
 from graphs.contract import DECODE, PREFILL
-from graphs.manifest import Manifest
-from graphs.settings import ConfigError
 from runtime.deploy_config import Deployment, engine_config
 from runtime.engine import LLMEngine
 from runtime.server.app import Frontend, create_app

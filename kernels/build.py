@@ -15,6 +15,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kernels.cache import cache_root
+from kernels.ort_headers import HEADER, include_dir
+
 HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 LIBRARY = "libpagedgraph_kernels.so"
@@ -24,18 +27,10 @@ ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
 # Only RegisterCustomOps is exported: ORT loads the library beside the kernels library, whose
 # pg_* symbols must not bind to this copy's (or the reverse).
 ORT_FLAGS = ("-fvisibility=hidden",)
-CACHE_ENV = "PAGEDGRAPH_CACHE_DIR"
 
 
 class KernelBuildError(RuntimeError):
     """The kernels could not be compiled; the message says what to install or set."""
-
-
-def cache_root() -> Path:
-    """$PAGEDGRAPH_CACHE_DIR, else $XDG_CACHE_HOME/pagedgraph, else ~/.cache/pagedgraph."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedgraph"
 
 
 def _compiler() -> str:
@@ -72,9 +67,6 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None) 
     sources = [ENTRY_POINTS[name], *kernels]
     inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h"))
     if include:
-        # Imported here, not at the top: `python -m graphs.kernels.ort_headers` runs that module.
-        from graphs.kernels.ort_headers import HEADER
-
         inputs.append(include / HEADER)
     compiler = _compiler()
     target = cache_root() / "kernels" / _fingerprint([compiler, *FLAGS, *flags, *sources], inputs) / name
@@ -100,6 +92,4 @@ def library_path() -> Path:
 
 def ort_library_path() -> Path:
     """The ONNX Runtime custom-op library; raises ort_headers.OrtHeaderError when no header is found."""
-    from graphs.kernels.ort_headers import include_dir
-
     return _build(ORT_LIBRARY, ORT_FLAGS, include_dir(cache_root()))

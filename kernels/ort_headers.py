@@ -1,7 +1,7 @@
 """ONNX Runtime's C API header for the custom-op library, found on this machine or fetched at install time.
 
 The onnxruntime wheel ships no headers and none may be committed here, so `python -m
-graphs.kernels.ort_headers` takes the one header ort_ops.cc needs from Debian's
+kernels.ort_headers` takes the one header ort_ops.cc needs from Debian's
 libonnxruntime-dev package (stdlib only: index, SHA256-checked .deb, ar and tar parsed here).
 Only onnxruntime_c_api.h is used: the C API is versioned, so a header of an older ORT_API_VERSION
 builds a library that a newer onnxruntime still loads.
@@ -20,6 +20,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from kernels.cache import cache_root
+
 HEADER = "onnxruntime_c_api.h"
 INCLUDE_ENV = "PAGEDGRAPH_ORT_INCLUDE"
 SYSTEM_INCLUDE = Path("/usr/include/onnxruntime")
@@ -27,7 +29,7 @@ MIRROR = "http://deb.debian.org/debian"
 SUITE = "trixie"  # the first Debian release with libonnxruntime-dev
 PACKAGE = "libonnxruntime-dev"
 MEMBER = "usr/include/onnxruntime/" + HEADER
-FETCH_COMMAND = "python -m graphs.kernels.ort_headers"
+FETCH_COMMAND = "python -m kernels.ort_headers"
 _DPKG_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64el",
               "s390x": "s390x", "riscv64": "riscv64", "i686": "i386", "i386": "i386"}
 _TIMEOUT_S = 60
@@ -46,8 +48,8 @@ def _how_to_fix() -> str:
     return f"run `{FETCH_COMMAND}` (downloads it from Debian's {PACKAGE}), or {_otherwise()}"
 
 
-def _cache(cache_root: Path) -> Path:
-    return cache_root / "ort-include"
+def _cache(root: Path) -> Path:
+    return root / "ort-include"
 
 
 def api_version(include: Path) -> int:
@@ -58,7 +60,7 @@ def api_version(include: Path) -> int:
     return int(found[1])
 
 
-def include_dir(cache_root: Path) -> Path:
+def include_dir(root: Path) -> Path:
     """The directory holding onnxruntime_c_api.h: $PAGEDGRAPH_ORT_INCLUDE, the system's, else the fetched one."""
     if os.environ.get(INCLUDE_ENV):
         chosen = Path(os.environ[INCLUDE_ENV])
@@ -67,7 +69,7 @@ def include_dir(cache_root: Path) -> Path:
         return chosen
     if (SYSTEM_INCLUDE / HEADER).is_file():
         return SYSTEM_INCLUDE
-    fetched = [d for d in _cache(cache_root).glob("[!.]*") if (d / HEADER).is_file()]  # not .partial-* dirs
+    fetched = [d for d in _cache(root).glob("[!.]*") if (d / HEADER).is_file()]  # not .partial-* dirs
     if not fetched:
         raise OrtHeaderError(f"ONNX Runtime's C API header {HEADER} was not found; {_how_to_fix()}")
     return max(fetched, key=api_version)
@@ -129,13 +131,13 @@ def _header_from_deb(deb: bytes) -> bytes:
     raise OrtHeaderError(f"the package holds no {MEMBER}")
 
 
-def fetch(cache_root: Path) -> Path:
+def fetch(root: Path) -> Path:
     """Download PACKAGE for this machine, check its SHA256, and extract HEADER into the cache; its directory."""
     arch = _DPKG_ARCH.get(platform.machine().lower())
     if arch is None:
         raise OrtHeaderError(f"no Debian architecture known for {platform.machine()}; {_otherwise()}")
     entry = _package_entry(arch)
-    target = _cache(cache_root) / entry["Version"]
+    target = _cache(root) / entry["Version"]
     if (target / HEADER).is_file():
         return target
     deb = _get(f"{MIRROR}/{entry['Filename']}")
@@ -153,20 +155,18 @@ def fetch(cache_root: Path) -> Path:
     return target
 
 
-def ensure(cache_root: Path) -> Path:
+def ensure(root: Path) -> Path:
     """The header's directory on this machine, fetching it first when there is none."""
     try:
-        return include_dir(cache_root)
+        return include_dir(root)
     except OrtHeaderError:
         if os.environ.get(INCLUDE_ENV):  # the build would still use that directory: fetching cannot help
             raise
-        return fetch(cache_root)
+        return fetch(root)
 
 
 def main() -> None:
     """Print the header in use, fetching it first when this machine has none (install scripts run this)."""
-    from graphs.kernels.build import cache_root
-
     try:
         found = ensure(cache_root())
     except OrtHeaderError as error:

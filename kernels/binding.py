@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from graphs.kernels.build import library_path
+from kernels.build import library_path
 
 
 class KernelError(RuntimeError):
