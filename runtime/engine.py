@@ -14,6 +14,7 @@ from runtime.block_pool import CacheStats
 from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.packer import Packer
+from runtime.prompt_logprobs import PromptLogprobs, prompt_logprob_entries
 from runtime.sampler import sample, top_logprobs
 from runtime.sampling_params import RequestError, SamplingParams
 from runtime.scheduler import Scheduler
@@ -68,6 +69,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     outputs: list[CompletionOutput] = field(default_factory=list)  # all n; token_ids/text above are the first's
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
 
     @property
     def finished(self) -> bool:
@@ -93,6 +95,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
         self.artifact = Path(artifact)
+        self.config = config
         self.manifest = Manifest.load(self.artifact)
         if config.gears is not None:
             self.manifest = replace(self.manifest, families={name: replace(f, gears=tuple(config.gears[name]))
@@ -105,6 +108,8 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.packer = Packer(self.manifest)
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
+        # The most logits rows one step returns: the widest prefill gear's B (prompt logprobs need a row per token).
+        self.max_logits_rows = max(g.seqs for g in self.packer.gears[PREFILL])
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"enable_chunked_prefill = false needs max_num_batched_tokens >= max_model_len, but "
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
@@ -113,7 +118,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold, config.enable_chunked_prefill)
+                                   config.long_prefill_token_threshold, config.enable_chunked_prefill,
+                                   self.max_logits_rows)
         self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads,
                                       config.custom_ops)
         self.stats = EngineStats(cache=self.kv.stats)
@@ -162,6 +168,11 @@ class LLMEngine:
             raise RequestError("prompt", f"prompt plus max_tokens needs {needed} KV blocks but the pool has "
                                          f"{self.kv.pool.num_blocks - 1}; raise num_blocks or kv_cache_bytes, "
                                          f"or lower max_tokens")
+        if params.prompt_logprobs is not None and not self.scheduler.chunked_prefill \
+                and len(ids) > self.max_logits_rows:
+            raise RequestError("prompt_logprobs", f"a {len(ids)}-token prompt needs as many logits rows in one step "
+                                                  f"without chunked prefill, but the gears return at most "
+                                                  f"{self.max_logits_rows}; enable chunked prefill or shorten it")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
@@ -216,7 +227,11 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any) -> list[RequestOutput]:
         rows, ready = [], []
         in_order = True  # rows == 0, 1, 2, ...: every row sampled once, in order (decode steps)
+        extra = len(seqs)  # the prompt-logprob rows follow the per-sequence rows (ScheduledBatch)
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            if seq.wants_prompt_logprobs:
+                self._prompt_logprobs(seq, n, logits, i, extra)
+                extra += n - 1
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 for s in self._fork(seq):
@@ -234,6 +249,23 @@ class LLMEngine:
                 self._append(seq, token)
         return [self._output(g) for g in groups.values()]
 
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, n: int, logits: Any, row: int, extra: int) -> None:
+        """Append the entries of the prompt tokens this step's chunk predicts.
+
+        The chunk's positions s .. s+n-2 are at logits rows extra .. extra+n-2 and its last position at
+        `row`; position p predicts token p+1. After a preemption the chunks start again at 0, so the
+        positions whose entries are already there are skipped.
+        """
+        assert seq.prompt_logprobs is not None
+        start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
+        lo, hi = done - 1 - start, min(n, seq.num_prompt_tokens - 1 - start)
+        if hi <= lo:
+            return
+        picks = [extra + i if i < n - 1 else row for i in range(lo, hi)]
+        targets = seq.prompt_token_ids[start + lo + 1:start + hi + 1]
+        seq.prompt_logprobs.extend(prompt_logprob_entries(logits[picks], targets, seq.params.prompt_logprobs))
+
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its n - 1 forks when its prompt has just been computed for the first time.
 
@@ -247,7 +279,8 @@ class LLMEngine:
         rngs = seq.rng.spawn(n - 1) if seq.rng is not None else [None] * (n - 1)
         for rng in rngs:
             child = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, seq.arrival,
-                             token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens, rng=rng)
+                             token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens, rng=rng,
+                             prompt_logprobs=seq.prompt_logprobs)
             self.scheduler.fork(seq, child)
             self._detok[child] = self.tokenizer.detokenizer(skip_special_tokens=True)
             group.append(child)
@@ -291,7 +324,7 @@ class LLMEngine:
                        for i, s in enumerate(group)]
         return RequestOutput(first.request_id, first.prompt_token_ids, first.output_token_ids, first.text,
                              first.finish_reason, next((s.error for s in group if s.error), None),
-                             first.num_cached_tokens, first.logprobs, completions)
+                             first.num_cached_tokens, first.logprobs, completions, first.prompt_logprobs)
 
 
 class LLM:

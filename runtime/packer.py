@@ -27,7 +27,7 @@ class Packer:
     def select(self, batch: ScheduledBatch) -> tuple[str, Gear]:
         """The smallest gear that fits: decode family when every sequence feeds one token."""
         family = DECODE if all(n == 1 for n in batch.num_tokens) else PREFILL
-        tokens, seqs = batch.total_tokens, len(batch.seqs)
+        tokens, seqs = batch.total_tokens, batch.num_logits_rows
         blocks = max(len(s.block_table) for s in batch.seqs)
         gears = self.gears[family]
         start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
@@ -75,5 +75,18 @@ class Packer:
         slots[row:] = c.NULL_BLOCK * bs
         cu[real:] = row
         context_lens[real:] = 0
-        logits_indices[real:] = 0
+        rows = real + batch.prompt_logprob_rows
+        if batch.prompt_logprob_rows:
+            self._prompt_logprob_rows(batch, logits_indices[real:rows])
+        logits_indices[rows:] = 0
         return buf
+
+    def _prompt_logprob_rows(self, batch: ScheduledBatch, out: np.ndarray) -> None:
+        """Point the spare logits rows at every fed token but the last (whose row the sampler already has)
+        of each sequence that wants prompt logprobs, in batch order (runtime/prompt_logprobs.py)."""
+        at, row = 0, 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.wants_prompt_logprobs and n > 1:
+                np.add(self._arange[:n - 1], row, out=out[at:at + n - 1])
+                at += n - 1
+            row += n

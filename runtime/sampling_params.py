@@ -27,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-k logprobs reported per sampled token
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM's field); the first token has none
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +43,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "must be an integer in [0, 20]"),
         ]
         for name, ok, rule in checks:

@@ -31,6 +31,13 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     copies: CopyPairs = field(default_factory=list)
+    # Logits rows beyond one per sequence: every fed token but the last of each sequence that wants prompt
+    # logprobs (runtime/prompt_logprobs.py), in batch order after the per-sequence rows.
+    prompt_logprob_rows: int = 0
+
+    @property
+    def num_logits_rows(self) -> int:
+        return len(self.seqs) + self.prompt_logprob_rows
 
     @property
     def total_tokens(self) -> int:
@@ -39,11 +46,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None, enable_chunked_prefill: bool = True) -> None:
+                 long_prefill_token_threshold: int | None = None, enable_chunked_prefill: bool = True,
+                 max_logits_rows: int | None = None) -> None:
         """`long_prefill_token_threshold` caps one sequence's chunk per step (a multiple of block_size):
         smaller chunks keep the steps that carry a long prompt short for the decodes beside it.
         `enable_chunked_prefill=False` feeds every prompt whole in one step (the caller keeps each
-        sequence within `max_num_batched_tokens`), as engines without chunked prefill do."""
+        sequence within `max_num_batched_tokens`), as engines without chunked prefill do.
+        `max_logits_rows` (default `max_num_seqs`) is the most logits rows one step's graph returns:
+        it caps the chunks of sequences that want prompt logprobs, which need a row per token."""
         if not enable_chunked_prefill and long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs chunked prefill: set enable_chunked_prefill "
                              "to true, or drop long_prefill_token_threshold")
@@ -56,6 +66,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
+        self.max_logits_rows = max_logits_rows or max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
 
@@ -83,14 +94,25 @@ class Scheduler:
         self.kv.free(seq, keep_cached)
         seq.status = SequenceStatus.FINISHED
 
-    def _chunk(self, seq: Sequence, budget: int, start: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, start: int, rows: int) -> int:
         """Tokens to feed from `start`: all that remain if they fit, else a block-aligned prefix (or,
-        without chunked prefill, none: the sequence waits for a step with room for all of it)."""
+        without chunked prefill, none: the sequence waits for a step with room for all of it).
+
+        A sequence that wants prompt logprobs feeds at most `rows` tokens (the logits rows left in the
+        step), block-aligned when that is at least a block."""
+        if rows < 1:  # every sequence needs its logits row
+            return 0
         remaining = seq.num_tokens - start
         budget = min(budget, self.chunk_cap)
+        wants_rows = seq.wants_prompt_logprobs
+        if wants_rows:
+            budget = min(budget, rows)
         if remaining <= budget:
             return remaining
-        return budget - budget % self.kv.block_size if self.chunked_prefill else 0
+        if not self.chunked_prefill:
+            return 0
+        aligned = budget - budget % self.kv.block_size
+        return budget if wants_rows and not aligned else aligned
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -101,6 +123,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
+        extra_rows = 0  # logits rows beyond one per planned sequence (prompt logprobs)
         plan: dict[Sequence, tuple[int, CopyPairs]] = {}
         preempted = False
         # Stable sort: decodes, then chunks, each in arrival order.
@@ -109,13 +132,16 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._chunk(seq, budget, seq.num_computed_tokens)
+            n = self._chunk(seq, budget, seq.num_computed_tokens, self.max_logits_rows - len(plan) - extra_rows)
             if n == 0:
                 continue
             while (copies := self.kv.allocate_slots(seq, n)) is None:
                 victim = self.running[-1]
-                if victim in plan:  # scheduled earlier in this loop: give its tokens back
-                    budget += plan.pop(victim)[0]
+                if victim in plan:  # scheduled earlier in this loop: give its tokens (and rows) back
+                    given = plan.pop(victim)[0]
+                    budget += given
+                    if victim.wants_prompt_logprobs:
+                        extra_rows -= given - 1
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -123,14 +149,18 @@ class Scheduler:
             if copies is not None:
                 plan[seq] = (n, copies)
                 budget -= n
+                if seq.wants_prompt_logprobs:
+                    extra_rows += n - 1
         # No preemption past this point, so the step's full blocks can be offered to admissions below.
         for seq, (n, _) in plan.items():
             self.kv.cache_blocks(seq, seq.num_computed_tokens + n)
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs \
                 and len(plan) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.computed_blocks(seq)
-            n = self._chunk(seq, budget, len(hits) * self.kv.block_size)
+            # Cached blocks would skip the rows whose logits prompt logprobs need (as vLLM does).
+            hits = [] if seq.wants_prompt_logprobs else self.kv.computed_blocks(seq)
+            n = self._chunk(seq, budget, len(hits) * self.kv.block_size,
+                            self.max_logits_rows - len(plan) - extra_rows)
             if n == 0 or (copies := self.kv.allocate_slots(seq, n, hits)) is None:
                 break
             self.waiting.popleft()
@@ -139,11 +169,13 @@ class Scheduler:
             self.kv.cache_blocks(seq, seq.num_computed_tokens + n)
             plan[seq] = (n, copies)
             budget -= n
+            if seq.wants_prompt_logprobs:
+                extra_rows += n - 1
         if not plan:
             return None
         # Packing order (docs/design.md): chunks first, then single tokens by context length, longest
         # first, so the graph can split the decodes into two groups that each read what they use.
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(prompt_logprob_rows=extra_rows)
         chunks = [seq for seq, (n, _) in plan.items() if n > 1]
         singles = sorted((seq for seq, (n, _) in plan.items() if n == 1), key=lambda s: -s.num_computed_tokens)
         for seq in chunks + singles:

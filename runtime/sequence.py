@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.prompt_logprobs import PromptLogprobs
 from runtime.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Sequence:
     error: str | None = None
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # filled in prompt order while `wants_prompt_logprobs`
     first_token_time: float | None = None
     rng: np.random.Generator | None = None
 
@@ -44,6 +46,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.rng is None and not self.params.greedy:
             self.rng = np.random.default_rng(self.params.seed)
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no prefix to be predicted from
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +64,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True until every prompt token has its log-probability: until then each token fed needs a logits
+        row of its own (the scheduler and packer make room) and the prefix cache is not read."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
