@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq, Union
 
@@ -14,8 +14,9 @@ from runtime.block_pool import CacheStats
 from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.packer import Packer
+from runtime.logits_processors import Penalties
 from runtime.prompt_logprobs import PromptLogprobs, prompt_logprob_entries
-from runtime.sampler import sample, top_logprobs
+from runtime.sampler import Sampler, top_logprobs
 from runtime.sampling_params import RequestError, SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SequenceStatus
@@ -47,6 +48,37 @@ class EngineConfig:
         check_custom_ops(self.custom_ops)
 
 
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What runs a model: reported by `LLM.runtime_info` and the server's /v1/models and /version."""
+
+    executor: str  # "onnxruntime" or "mindspore"
+    custom_ops: bool  # the fused ops run as pagedgraph's C++ kernels (MindSpore's MINDIR graphs always call them)
+    custom_ops_setting: str  # what was asked for: auto, on or off (auto may have fallen back)
+    dtype: str  # weights and activations, from the artifact's manifest
+    kv_cache_dtype: str
+    quantization: str | None  # None: unquantized weights
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """A finished request's timeline (perf_counter seconds), as vLLM's RequestOutput.metrics reports it."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: never ran (aborted while waiting)
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float
+    inter_token_latencies: list[float]  # gap before each token after the first, per completion of the request
+
+    @property
+    def time_in_queue(self) -> float:
+        return (self.first_scheduled_time or self.finished_time) - self.arrival_time
+
+
 @dataclass
 class CompletionOutput:
     """One of a request's `n` completions."""
@@ -70,6 +102,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     outputs: list[CompletionOutput] = field(default_factory=list)  # all n; token_ids/text above are the first's
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
+    metrics: RequestMetrics | None = None  # set once the request has finished
 
     @property
     def finished(self) -> bool:
@@ -123,6 +156,9 @@ class LLMEngine:
         self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads,
                                       config.custom_ops)
         self.stats = EngineStats(cache=self.kv.stats)
+        self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
+        self.custom_ops_setting = config.custom_ops
+        self.executor_name = config.executor
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
@@ -159,6 +195,7 @@ class LLMEngine:
             raise RequestError("prompt", "is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.model.vocab_size for t in ids):
             raise RequestError("prompt_token_ids", f"token ids must be integers in [0, {self.model.vocab_size})")
+        params.check_vocab(self.model.vocab_size)
         if len(ids) >= self.max_model_len:
             raise RequestError("prompt", f"{len(ids)} tokens; the model's max_model_len is {self.max_model_len}, "
                                          f"so prompts must be at most {self.max_model_len - 1} tokens")
@@ -213,7 +250,7 @@ class LLMEngine:
             outputs = [self._output(g) for g in groups.values()]
         else:
             graph_end = time.perf_counter()
-            outputs = self._postprocess(batch.seqs, batch.num_tokens, logits)
+            outputs = self._postprocess(batch.seqs, batch.num_tokens, logits, start)
         stats = self.stats
         stats.steps += 1
         stats.graph_s += graph_end - graph_start
@@ -224,11 +261,14 @@ class LLMEngine:
         stats.bucket_hits[key] = stats.bucket_hits.get(key, 0) + 1
         return outputs
 
-    def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any,
+                     start: float) -> list[RequestOutput]:
         rows, ready = [], []
         in_order = True  # rows == 0, 1, 2, ...: every row sampled once, in order (decode steps)
         extra = len(seqs)  # the prompt-logprob rows follow the per-sequence rows (ScheduledBatch)
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
             if seq.wants_prompt_logprobs:
                 self._prompt_logprobs(seq, n, logits, i, extra)
                 extra += n - 1
@@ -242,7 +282,7 @@ class LLMEngine:
         if ready:
             # In order, a view instead of a per-step copy of B x vocab floats (1.6 ms of host time at B=16).
             sampled = logits[:len(rows)] if in_order else logits[rows]
-            for row, seq, token in zip(sampled, ready, sample(sampled, ready)):
+            for row, seq, token in zip(sampled, ready, self.sampler.sample(sampled, ready)):
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
                 groups[seq.request_id] = self._groups[seq.request_id]
@@ -280,7 +320,7 @@ class LLMEngine:
         for rng in rngs:
             child = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, seq.arrival,
                              token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens, rng=rng,
-                             prompt_logprobs=seq.prompt_logprobs)
+                             prompt_logprobs=seq.prompt_logprobs, first_scheduled_time=seq.first_scheduled_time)
             self.scheduler.fork(seq, child)
             self._detok[child] = self.tokenizer.detokenizer(skip_special_tokens=True)
             group.append(child)
@@ -288,18 +328,23 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         now = time.perf_counter()
-        if seq.first_token_time is None:
+        if seq.last_token_time is None:
             seq.first_token_time = now
+        else:
+            seq.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
         seq.token_ids.append(token)
         self.stats.generated += 1
         params = seq.params
-        if not params.ignore_eos and (token in self.tokenizer.eos_token_ids or token in params.stop_token_ids):
+        # Before min_tokens the sampler masks EOS and stop_token_ids, and stop strings do not count (as in vLLM).
+        if (token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)) \
+                and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
             return self._finish(seq, "stop")
         piece = self._detok[seq].push(token)
         if piece:
             seen = len(seq.text)
             seq.text += piece
-            for stop in params.stop:
+            for stop in params.stop if len(seq.token_ids) - seq.num_prompt_tokens > params.min_tokens else ():
                 at = seq.text.find(stop, max(0, seen - len(stop) + 1))
                 if at >= 0:
                     seq.text = seq.text[:at]
@@ -310,6 +355,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         """`flush=False` when a stop string cut the text: held-back bytes lie past the cut."""
         seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
         detok = self._detok.pop(seq)
         if flush:
             seq.text += detok.flush()
@@ -324,7 +370,23 @@ class LLMEngine:
                        for i, s in enumerate(group)]
         return RequestOutput(first.request_id, first.prompt_token_ids, first.output_token_ids, first.text,
                              first.finish_reason, next((s.error for s in group if s.error), None),
-                             first.num_cached_tokens, first.logprobs, completions, first.prompt_logprobs)
+                             first.num_cached_tokens, first.logprobs, completions, first.prompt_logprobs,
+                             LLMEngine._metrics(group) if all(s.finished for s in group) else None)
+
+    @staticmethod
+    def _metrics(group: list[Sequence]) -> RequestMetrics:
+        first = [s.first_token_time for s in group if s.first_token_time is not None]
+        last = [s.last_token_time for s in group if s.last_token_time is not None]
+        return RequestMetrics(group[0].arrival, group[0].first_scheduled_time, min(first, default=None),
+                              max(last, default=None), max(s.finished_time or 0.0 for s in group),
+                              [gap for s in group for gap in s.inter_token_latencies])
+
+    def runtime_info(self) -> RuntimeInfo:
+        """The executor, whether the custom kernels run, and the precision (weights, KV cache)."""
+        custom = self.executor.custom_ops
+        return RuntimeInfo(executor=self.executor_name, custom_ops=True if custom is None else bool(custom),
+                           custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
+                           kv_cache_dtype=self.manifest.dtype, quantization=None)
 
 
 class LLM:
@@ -332,6 +394,11 @@ class LLM:
 
     def __init__(self, artifact: str | Path, **config: Any) -> None:
         self.engine = LLMEngine(artifact, EngineConfig(**config))
+
+    @property
+    def runtime_info(self) -> RuntimeInfo:
+        """Which executor and kernels serve this model, at which precision."""
+        return self.engine.runtime_info()
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -361,4 +428,5 @@ class LLM:
         return [results[i] for i in range(len(prompts))]
 
 
-__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SequenceStatus"]
+__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "RuntimeInfo",
+           "SequenceStatus"]

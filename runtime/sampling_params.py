@@ -4,7 +4,10 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Mapping
+
+# OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class RequestError(ValueError):
@@ -17,14 +20,23 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What to generate and how. The penalty fields follow OpenAI (presence, frequency, logit_bias) and vLLM
+    (repetition_penalty, min_p, min_tokens); runtime/logits_processors.py applies them."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the top token's (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # EOS does not end the request (it is sampled like any token; stop_token_ids still stop)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings ignored, until this many tokens
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # prompt and output tokens: positive logits divided by it, negative multiplied
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
     n: int = 1
     logprobs: int | None = None  # top-k logprobs reported per sampled token
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM's field); the first token has none
@@ -34,13 +46,27 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             ("temperature", _number(self.temperature) and 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be an integer >= -1 (0 or -1: off)"),
+            ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1] (0: off)"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(_integer(t) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
+            ("min_tokens", _integer(self.min_tokens) and 0 <= self.min_tokens, "must be an integer >= 0"),
+            ("min_tokens", not _integer(self.min_tokens) or self.min_tokens <= self.max_tokens,
+             f"must be at most max_tokens = {self.max_tokens}"),
+            ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "must be in [-2, 2] (0: off)"),
+            ("frequency_penalty", _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "must be in [-2, 2] (0: off)"),
+            ("repetition_penalty", _number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             "must be in (0, 2] (1: off)"),
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "must be an integer in [0, 20]"),
@@ -56,6 +82,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any logits-changing field is set (min_p is not one: it acts on the probabilities)."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids a request names must exist; the engine calls this where it knows the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise RequestError(name, f"token id {bad} is out of range: this model's vocabulary has "
+                                         f"{vocab_size} tokens, so ids must be in [0, {vocab_size})")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         known = {f.name for f in fields(cls)}
@@ -66,5 +106,26 @@ class SamplingParams:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """Token id (an int, or its decimal string as JSON keys are) -> finite bias clamped to [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise RequestError("logit_bias", f"{bias!r} must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _integer(token) or token < 0:
+            raise RequestError("logit_bias", f"key {key!r} must be a token id (a non-negative integer)")
+        if not _number(value):
+            raise RequestError("logit_bias", f"{{{key!r}: {value!r}}}: the bias must be a finite number "
+                                             f"(clamped to [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}])")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,14 @@ class Sequence:
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # filled in prompt order while `wants_prompt_logprobs`
+    first_scheduled_time: float | None = None  # perf_counter of the first step that fed it
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
     rng: np.random.Generator | None = None
+    # The sampler's logits processors keep what they track of this sequence here, by processor name.
+    processor_state: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

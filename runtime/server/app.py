@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from importlib.metadata import PackageNotFoundError, version as _distribution_version
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -33,7 +34,8 @@ from runtime.sampling_params import RequestError, SamplingParams
 from runtime.server import metrics
 from runtime.server.body_limit import BodyLimit
 from runtime.server.engine_loop import EngineLoop, RequestHandle
-from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     SamplingFields, TokenizeRequest)
 from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
@@ -78,6 +80,8 @@ class Frontend:
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
         self.max_prompt_chars = self._max_prompt_chars()
+        self.metrics = metrics.Metrics(self.model, self.max_model_len)
+        self.runtime = self.loop.engine.runtime_info().to_dict()
 
     def _max_prompt_chars(self) -> int | None:
         """A text longer than this cannot fit in max_model_len tokens, so it is refused before tokenizing.
@@ -122,10 +126,10 @@ class Frontend:
         if body.n > self.max_n:
             raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
                                 "deployment runs)", param="n")
-        given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-                 "seed": body.seed, "stop": body.stop, "n": body.n, "logprobs": logprobs, "ignore_eos": body.ignore_eos}
+        given = {"max_tokens": max_tokens, "logprobs": logprobs}
         try:
-            return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None}})
+            return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None},
+                                     **body.sampling()})
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
 
@@ -185,6 +189,7 @@ class Frontend:
     def _finished(self, out: RequestOutput) -> None:
         self.counters.finished[out.finish_reason or "error"] += 1
         self.counters.cached_tokens += out.num_cached_tokens
+        self.metrics.observe(out)
 
     # -- answering ----------------------------------------------------------------------------
     def _timeout(self) -> APIError:
@@ -270,7 +275,11 @@ class Frontend:
                                     "(concurrent requests are batched together)", param="prompt")
             prompt = prompt[0]
         ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs)
+        if body.echo and body.logprobs is not None and body.stream:
+            raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
+                           param="echo")
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
+        fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo)
         return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs,
                                    prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
 
@@ -292,14 +301,57 @@ class Frontend:
         return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs, text)
 
     def models(self) -> dict[str, Any]:
+        """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "pagedgraph",
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "runtime": self.runtime}
         return {"object": "list", "data": [card]}
 
-    async def metrics_text(self) -> str:
+    def version(self) -> dict[str, Any]:
+        return {"version": package_version(), **self.runtime}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: `count`, `max_model_len`, `tokens` (and `token_strs` when asked)."""
+        self.check_model(body.model)
+        if body.messages is not None:
+            messages = [m.plain() for m in body.messages]
+            render = partial(self.tokenizer.apply_chat_template, messages,
+                             add_generation_prompt=body.add_generation_prompt)
+            try:
+                text = await asyncio.get_running_loop().run_in_executor(self._tokenize, render)
+            except (ValueError, jinja2.TemplateError) as exc:
+                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            ids = await self.encode(text, "messages", add_special_tokens=bool(body.add_special_tokens))
+        else:
+            assert body.prompt is not None
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self.encode(body.prompt, "prompt", add_special_tokens=special)
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = [self.tokenizer.backend.id_to_token(t) for t in ids]
+        return answer
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of `tokens`, special tokens included."""
+        self.check_model(body.model)
+        vocab = self.loop.engine.model.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of range; this model's ids are in [0, {vocab})",
+                           param="tokens")
+        decode = partial(self.tokenizer.decode, body.tokens)
+        return {"prompt": await asyncio.get_running_loop().run_in_executor(self._tokenize, decode)}
+
+    async def metrics_text(self) -> bytes:
         self.check_engine()
-        return metrics.render(await self.loop.snapshot(), self.counters, len(asyncio.all_tasks()),
-                              threading.active_count())
+        return self.metrics.render(metrics.Scrape(await self.loop.snapshot(), self.counters,
+                                                  len(asyncio.all_tasks()), threading.active_count()))
+
+
+def package_version() -> str:
+    try:
+        return _distribution_version("pagedgraph")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
 
 
 def _refuse(request: Request, error: APIError) -> JSONResponse:
@@ -382,6 +434,12 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
     v1.add_api_route("/chat/completions", frontend.chat, methods=["POST"])
     v1.add_api_route("/models", frontend.models, methods=["GET"])
     app.include_router(v1)
+    # vLLM serves these at the root; like /v1 they need the API key when one is set.
+    root = APIRouter(dependencies=[Depends(_bearer(deployment.server.api_key))])
+    root.add_api_route("/tokenize", frontend.tokenize, methods=["POST"])
+    root.add_api_route("/detokenize", frontend.detokenize, methods=["POST"])
+    app.include_router(root)
+    app.add_api_route("/version", frontend.version, methods=["GET"])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -389,7 +447,7 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
         return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> PlainTextResponse:
-        return PlainTextResponse(await frontend.metrics_text(), media_type=metrics.CONTENT_TYPE)
+    async def metrics_endpoint() -> Response:
+        return Response(await frontend.metrics_text(), media_type=metrics.CONTENT_TYPE)
 
     return app

@@ -43,6 +43,7 @@ class EngineSnapshot:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int
     bucket_hits: dict[str, int] = field(default_factory=dict)
+    processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
 
 
 class RequestHandle:
@@ -181,7 +182,7 @@ class EngineLoop:
         return EngineSnapshot(len(engine.scheduler.running), len(engine.scheduler.waiting), pool.num_blocks - 1,
                               pool.num_free, len(pool.cached), stats.steps, stats.graph_s, stats.host_s,
                               stats.tokens_computed, stats.tokens_real, stats.generated, cache.preemptions,
-                              cache.queries, cache.hits, dict(stats.bucket_hits))
+                              cache.queries, cache.hits, dict(stats.bucket_hits), dict(engine.sampler.seconds))
 
     def _run(self) -> None:
         engine, commands = self.engine, self._commands

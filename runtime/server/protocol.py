@@ -3,19 +3,17 @@
 Unknown fields are errors (400 naming the field), like unknown YAML keys, and so are NaN and Infinity
 (which Python's JSON parser accepts). OpenAI fields this server
 does not implement are accepted only at their neutral value, so clients that always send them
-(`presence_penalty: 0`, `echo: false`) still work while a real use of them is refused clearly.
+(`best_of: 1`, `suffix: ""`) still work while a real use of them is refused clearly. Value rules
+(ranges, logit_bias ids) are SamplingParams' and the engine's, so the API, `LLM` and the JSONL of
+`pagedgraph generate` refuse the same values with the same message.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "response_format": (None, {"type": "text"}),
@@ -68,15 +66,34 @@ class SamplingFields(_Body):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
+    # vLLM's extra sampling fields, under vLLM's names.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The fields SamplingParams takes as they are; None ones are left to the deployment's defaults."""
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                 "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids, "n": self.n,
+                 "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool = False  # the prompt's text before the completion's (with logprobs: the prompt tokens' too)
     suffix: str | None = None
     best_of: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does."""
+        echoed = {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
+        return {**super().sampling(), **echoed}
 
 
 class TextPart(BaseModel):
@@ -110,3 +127,25 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a `prompt` (completions) or `messages` (chat, rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default as vLLM's: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -74,8 +74,39 @@ class Format:
 
 
 class CompletionFormat(Format):
+    """`echo`: the prompt's text, put before each choice's (streamed: in a first chunk of its own)."""
+
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
+
+    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, echo: str = "") -> None:
+        super().__init__(model, tokenizer, top_logprobs)
+        self.echo = echo
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        body = super().response(out)
+        prompt = self._prompt_logprobs(out) if self.echo else None
+        for choice in body["choices"]:
+            choice["text"] = self.echo + choice["text"]
+            if prompt is not None and choice["logprobs"] is not None:
+                choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
+        return body
+
+    def _prompt_logprobs(self, out: RequestOutput) -> dict[str, list[Any]] | None:
+        """The prompt's tokens in the completion logprobs shape; the first token has none (no prefix)."""
+        if self.top_logprobs is None or out.prompt_logprobs is None:
+            return None
+        entries = out.prompt_logprobs
+        return {"tokens": [self.token(t)[0] for t in out.prompt_token_ids],
+                "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(out.prompt_token_ids, entries)],
+                "top_logprobs": [None if e is None else {self.token(alt)[0]: lp.logprob for alt, lp in e.items()}
+                                 for e in entries]}
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [self.envelope(self.chunk_object, [{"index": i, "text": self.echo, "logprobs": None,
+                                                   "finish_reason": None} for i in range(n)])]
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
