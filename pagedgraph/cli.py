@@ -142,21 +142,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from pagedgraph.texts import read_text
     from runtime.engine import EngineConfig
     from runtime.perplexity import evaluate_artifacts, ratio_table
 
-    text_path = Path(args.text)
-    if not text_path.is_file():
-        raise ConfigError(f"--text {args.text}: no such file; give a UTF-8 text file to score")
+    text = read_text(args.text)
     config = EngineConfig(threads=args.threads, executor=args.executor, custom_ops=args.custom_ops)
-    results = evaluate_artifacts(args.artifacts, text_path.read_text(encoding="utf-8"), args.context, args.stride,
-                                 config)
+    results = evaluate_artifacts(args.artifacts, text, args.context, args.stride, config)
     print(ratio_table(results))
     if args.json:
         base = results[0].perplexity
         runs = [{**r.to_dict(), "ratio": r.perplexity / base} for r in results]
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"text": str(text_path), "runs": runs}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"text": args.text, "runs": runs}, indent=2) + "\n")
     return 0
 
 
@@ -244,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", required=True, action="append", dest="artifacts",
                    help="artifact directory; repeat it to compare, each run's perplexity is shown as a ratio to the "
                         "first (the fp32 baseline)")
-    p.add_argument("--text", required=True, help="UTF-8 text file (graphs/data/heldout.txt: the held-out text)")
+    p.add_argument("--text", required=True,
+                   help="UTF-8 text file, or a shipped text: heldout (the evaluation text) or calibration")
     p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, help="a window starts every STRIDE tokens (default: --context, no overlap)")
     p.add_argument("--json", help="write the figures (perplexity, tokens scored, windows, dtype) as JSON here")

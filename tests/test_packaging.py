@@ -37,6 +37,8 @@ def test_wheel_carries_the_kernel_sources(wheel: Path) -> None:
     sources = {f"kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
     assert sources, "no kernel sources found"
     assert not sources - shipped, f"missing from the wheel: {sorted(sources - shipped)}"
+    texts = {"pagedgraph/data/calibration.txt", "pagedgraph/data/heldout.txt"}  # calibration, `pagedgraph eval`
+    assert not texts - shipped, f"missing from the wheel: {sorted(texts - shipped)}"
 
 
 def _name(requirement: str) -> str:
