@@ -24,7 +24,6 @@ INDEX = f"{DIRECTORY}/index.json"
 WEIGHTS = f"{DIRECTORY}/weights.data"
 HEADER_BYTES = 64
 ALIGN = 64
-TARGETS = ("cpu", "ascend")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """The model hyper-parameters every lowering and the runtime agree on."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +53,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":

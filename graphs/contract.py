@@ -21,7 +21,6 @@ LOGITS = "logits"
 NULL_BLOCK = 0
 PREFILL = "prefill"
 DECODE = "decode"
-FAMILIES = (PREFILL, DECODE)
 
 
 def k_cache_name(layer: int) -> str:

@@ -11,8 +11,9 @@ from typing import Mapping, TypeVar
 import numpy as np
 
 from graphs import contract as c
-from graphs.builder import OpBuilder
+from graphs import ops
 from graphs.config import ModelConfig
+from graphs.ops.op import OpBuilder
 from graphs.rope_tables import rope_tables
 
 T = TypeVar("T")
@@ -51,28 +52,30 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int) -> None:
     block_tables = b.input(c.BLOCK_TABLES)
     context_lens = b.input(c.CONTEXT_LENS)
     cu_seqlens_q = b.input(c.CU_SEQLENS_Q)
-    cos = b.gather(b.weight("rope_cos"), positions)
-    sin = b.gather(b.weight("rope_sin"), positions)
-    attention = dict(head_num=config.num_heads, kv_head_num=config.num_kv_heads,
+    cos = b.emit(ops.GATHER, b.weight("rope_cos"), positions)
+    sin = b.emit(ops.GATHER, b.weight("rope_sin"), positions)
+    attention = dict(head_num=config.num_heads, kv_head_num=config.num_kv_heads, head_dim=config.head_dim,
                      qk_scale=config.head_dim ** -0.5, block_size=block_size)
+    norm = dict(epsilon=config.rms_norm_eps)
 
-    hidden = b.gather(b.weight("embed"), b.input(c.INPUT_IDS))
+    hidden = b.emit(ops.GATHER, b.weight("embed"), b.input(c.INPUT_IDS))
     for i in range(config.num_layers):
         w = f"layers.{i}."
-        x = b.rms_norm(hidden, b.weight(w + "input_norm"), config.rms_norm_eps)
-        qkv = b.linear(x, b.weight(w + "qkv"), b.weight(w + "qkv_bias") if config.attention_bias else None)
-        q, k, v = b.split(qkv, [config.q_size, config.kv_size, config.kv_size])
-        q, k = b.rope(q, k, cos, sin, config.head_dim)
+        x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "input_norm"), **norm)
+        qkv = b.emit(ops.LINEAR, x, b.weight(w + "qkv"), b.weight(w + "qkv_bias") if config.attention_bias else None)
+        q, k, v = b.emit(ops.SPLIT, qkv, sizes=(config.q_size, config.kv_size, config.kv_size))
+        q, k = b.emit(ops.ROPE, q, k, cos, sin, head_dim=config.head_dim)
         k_name, v_name = c.k_cache_name(i), c.v_cache_name(i)
-        k_cache, v_cache = b.reshape_and_cache(k, v, b.input(k_name), b.input(v_name), slot_mapping)
+        k_cache, v_cache = b.emit(ops.RESHAPE_AND_CACHE, k, v, b.input(k_name), b.input(v_name), slot_mapping)
         b.output(c.cache_output_name(k_name), k_cache)
         b.output(c.cache_output_name(v_name), v_cache)
-        attn = b.paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attention)
-        hidden = b.add(hidden, b.linear(attn, b.weight(w + "o_proj")))
-        x = b.rms_norm(hidden, b.weight(w + "post_norm"), config.rms_norm_eps)
-        hidden = b.add(hidden, b.linear(b.swiglu(b.linear(x, b.weight(w + "gate_up"))), b.weight(w + "down")))
+        attn = b.emit(ops.PAGED_ATTENTION, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attention)
+        hidden = b.emit(ops.ADD, hidden, b.emit(ops.LINEAR, attn, b.weight(w + "o_proj")))
+        x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "post_norm"), **norm)
+        gate_up = b.emit(ops.LINEAR, x, b.weight(w + "gate_up"))
+        hidden = b.emit(ops.ADD, hidden, b.emit(ops.LINEAR, b.emit(ops.SWIGLU, gate_up), b.weight(w + "down")))
 
-    last = b.gather(hidden, b.input(c.LOGITS_INDICES))
-    last = b.rms_norm(last, b.weight("final_norm"), config.rms_norm_eps)
+    last = b.emit(ops.GATHER, hidden, b.input(c.LOGITS_INDICES))
+    last = b.emit(ops.RMS_NORM, last, b.weight("final_norm"), **norm)
     lm_head = b.weight("embed" if config.tie_word_embeddings else "lm_head")
-    b.output(c.LOGITS, b.linear(last, lm_head))
+    b.output(c.LOGITS, b.emit(ops.LINEAR, last, lm_head))

@@ -46,3 +46,20 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
     export(config, root / "artifact", log=io.StringIO())
     return root / "artifact"
+
+
+@pytest.fixture(scope="session")
+def custom_op_library() -> Path:
+    """The ONNX Runtime custom-op library, fetching its header once if needed; skipped only where that fails, never
+    in CI (scripts/test.sh fetches the header there)."""
+    from kernels import ort_headers
+    from kernels.build import ort_library_path
+    from kernels.cache import cache_root
+
+    try:
+        ort_headers.ensure(cache_root())
+        return ort_library_path()
+    except ort_headers.OrtHeaderError as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the custom ops (scripts/test.sh fetches their header): {error}")
+        pytest.skip(f"no ONNX Runtime C API header to build the custom ops with: {error}")

@@ -1,8 +1,7 @@
 """The MindSpore lowering on a tiny random Llama: CPU MINDIR graphs vs the numpy references and vs
-ONNX Runtime, the generated Ascend graphs read back, SelfAttention on both targets."""
+ONNX Runtime, the generated Ascend graphs read back. (Each op's body alone: tests/test_op_walk.py.)"""
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ require_mindspore()
 from artifact.manifest import ArtifactError, Manifest  # noqa: E402
 from artifact.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
 from exporter.checkpoint import read_checkpoint  # noqa: E402
-from exporter.mindspore.builder import MindSporeBuilder, load_cell_class  # noqa: E402
+from exporter.mindspore.builder import MindSporeTarget  # noqa: E402
 from exporter.mindspore.readback import read_ops  # noqa: E402
 from graphs import contract as c  # noqa: E402
 from graphs import llama, ops  # noqa: E402
@@ -201,37 +200,25 @@ def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkp
             np.testing.assert_array_equal(stored, weights[name].astype(np.float16))
 
 
-def _self_attention_cell(op_set: Any, attrs: dict[str, Any]) -> tuple[Any, MindSporeBuilder]:
-    builder = MindSporeBuilder(op_set, weights_as_inputs=True)
-    out = builder.self_attention(builder.input("query"), builder.input("key"), builder.input("value"),
-                                 builder.input(c.CU_SEQLENS_Q), **attrs)
-    builder.output(c.LOGITS, out)
-    return load_cell_class(builder.source(), Path(tempfile.mkdtemp()) / "sa.py")(op_set), builder
+def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) -> None:
+    """The Ascend body reads back as FlashAttentionScore in TND layout with host sequence lengths, as ATB does.
 
-
-def test_self_attention_runs_on_cpu_and_lowers_to_flash_attention_tnd(tmp_path: Path) -> None:
+    (Its CPU body's results are tests/test_op_walk.py's.)
+    """
     import mindspore as ms
-
-    from exporter.mindspore.ascend_ops import AscendOps
-    from exporter.mindspore.cpu_ops import CpuOps
-    from kernels.build import library_path
-
-    attrs = dict(head_num=4, kv_head_num=2, qk_scale=0.25)
-    rng = np.random.default_rng(0)
-    cu = np.array([0, 5, 5, 12], np.int32)
-    q, k, v = (rng.standard_normal((14, w)).astype(np.float32) for w in (64, 32, 32))
-    cell, _ = _self_attention_cell(CpuOps(library_path()), attrs)
-    got = cell(*(ms.Tensor(x) for x in (q, k, v, cu))).asnumpy()
-    np.testing.assert_allclose(got, ops.self_attention(q, k, v, cu, **attrs), atol=1e-5)
-
-    cell, _ = _self_attention_cell(AscendOps(multi_query=True), attrs)
-    path = tmp_path / "self_attention"
-    ms.export(cell, *(ms.Tensor(x.astype(np.float16) if x.dtype == np.float32 else x) for x in (q, k, v, cu)),
-              file_name=str(path), file_format="MINDIR")
-    (record,) = read_ops(path.with_suffix(".mindir"), {"FlashAttentionScore"})
-    args = record.arguments
     from mindspore.ops.auto_generate.gen_ops_prim import str_to_enum  # MINDIR stores the layout as an enum
 
+    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+
+    attrs = ops.SELF_ATTENTION.attrs(head_num=4, kv_head_num=2, head_dim=16, qk_scale=0.25)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((14, w)).astype(np.float16) for w in (64, 32, 32))
+    cu = np.array([0, 5, 5, 12], np.int32)
+    cell = MINDSPORE_ASCEND.body(ops.SELF_ATTENTION)(attrs, MindSporeTarget("ascend"))
+    path = tmp_path / "self_attention"
+    ms.export(cell, *(ms.Tensor(x) for x in (q, k, v, cu)), file_name=str(path), file_format="MINDIR")
+    (record,) = read_ops(path.with_suffix(".mindir"), {"FlashAttentionScore"})
+    args = record.arguments
     tnd = str_to_enum("FlashAttentionScore", "input_layout", "TND")
     assert (args["head_num"], args["input_layout"], args["sparse_mode"]) == (4, tnd, 3)
     assert args["actual_seq_qlen"] == args["actual_seq_kvlen"] == "<TensorToTuple>"  # host lengths, as ATB reads

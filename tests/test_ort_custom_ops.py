@@ -1,9 +1,10 @@
-"""pagedgraph's ONNX Runtime custom ops (kernels/ort_ops.cc) in real ORT sessions.
+"""pagedgraph's ONNX Runtime custom ops (kernels/ort_ops.cc) in real ORT sessions, beyond their results.
 
-Each op equals its numpy reference, runs as ONE kernel in place of its function body, writes the
-pools in place under IOBinding aliasing, and a whole bucket graph gives the same logits with the
-custom ops on and off. CI must build them (scripts/test.sh fetches the header): there a missing
-header fails instead of skipping.
+Each op's results against its numpy reference, and that the kernel runs in place of the function
+body, are the "onnxruntime-custom" column of tests/test_op_walk.py. Here: the pools are written in
+place under IOBinding aliasing, older artifacts load, errors are statuses, the registration modes,
+the header fetch, and a whole bucket graph gives the same logits with the custom ops on and off.
+CI must build them (scripts/test.sh fetches the header): there a missing header fails instead of skipping.
 """
 from __future__ import annotations
 
@@ -20,34 +21,27 @@ import pytest
 
 from graphs import contract as c
 from graphs import ops
+from graphs.ops.examples import packed_step
+from exporter.onnx.graph_builder import op_model
+from graphs.ops.op import Op
 from kernels import ort_headers
-from kernels.build import ort_library_path
-from kernels.cache import cache_root
 from kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.executor_ort import register_custom_ops
 from runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
-from tests.op_models import one_node_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
-ATTRS = {"head_num": HEADS, "kv_head_num": KV_HEADS, "qk_scale": HEAD_DIM ** -0.5}
+ATTRS = {"head_num": HEADS, "kv_head_num": KV_HEADS, "head_dim": HEAD_DIM, "qk_scale": HEAD_DIM ** -0.5}
 
 
 @pytest.fixture(scope="module")
-def library() -> Path:
-    """The custom-op library, fetching its header once if needed; skipped only where that fails, never in CI."""
-    try:
-        ort_headers.ensure(cache_root())
-        return ort_library_path()
-    except OrtHeaderError as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the custom ops (scripts/test.sh fetches their header): {error}")
-        pytest.skip(f"no ONNX Runtime C API header to build the custom ops with: {error}")
+def library(custom_op_library: Path) -> Path:
+    return custom_op_library
 
 
-def _model(op: str, inputs: dict[str, np.ndarray], outputs: list[str], check: bool = True, **attrs: object) -> bytes:
-    return one_node_model(op, inputs, outputs, check, **attrs).SerializeToString()
+def _model(op: Op, inputs: dict[str, np.ndarray], **attrs: object) -> bytes:
+    return op_model(op, list(inputs.values()), attrs).SerializeToString()
 
 
 def _session(model: bytes, library: Path | None, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
@@ -58,70 +52,26 @@ def _session(model: bytes, library: Path | None, options: ort.SessionOptions | N
 
 
 def _paged_batch(seed: int) -> dict[str, np.ndarray]:
-    """Packer order: prefill chunks (fresh, over cached context, several 16-row tiles), decodes, then padding."""
-    rng = np.random.default_rng(seed)
-    q_lens = [5, 20, 70, 1, 1, 1]
-    ctx = [5, 37, 150, 33, 1, 16]
-    pad_seqs, pad_tokens, max_blocks = 2, 3, 10
-    num_blocks = 1 + len(q_lens) * max_blocks
-    tables = np.zeros((len(q_lens) + pad_seqs, max_blocks), np.int32)  # padding: the null block
-    free = rng.permutation(np.arange(1, num_blocks))
-    for b, n in enumerate(ctx):
-        used = -(-n // BLOCK_SIZE)
-        tables[b, :used] = free[b * max_blocks:b * max_blocks + used]
-    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad_seqs, sum(q_lens))]).astype(np.int32)
-    pool = (num_blocks * BLOCK_SIZE, KV_HEADS * HEAD_DIM)
-    return {"query": rng.standard_normal((sum(q_lens) + pad_tokens, HEADS * HEAD_DIM), dtype=np.float32),
-            "k_cache": rng.standard_normal(pool, dtype=np.float32),
-            "v_cache": rng.standard_normal(pool, dtype=np.float32),
-            "block_tables": tables, "context_lens": np.array(ctx + [0] * pad_seqs, np.int32), "cu_seqlens_q": cu}
+    """Packer order: prefill chunks (fresh, over cached context, several tiles), decodes, then padding."""
+    step = packed_step(np.random.default_rng(seed), [5, 20, 70, 1, 1, 1], [5, 37, 150, 33, 1, 16], heads=HEADS,
+                       kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, max_blocks=10, pad_seqs=2,
+                       pad_tokens=3)
+    return dict(zip([t.name for t in ops.PAGED_ATTENTION.inputs], step))
 
 
 def _paged_model(inputs: dict[str, np.ndarray]) -> bytes:
-    return _model("PagedAttention", inputs, ["out"], head_dim=HEAD_DIM, block_size=BLOCK_SIZE, **ATTRS)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_paged_attention_equals_reference(library: Path, seed: int) -> None:
-    inputs = _paged_batch(seed)
-    (got,) = _session(_paged_model(inputs), library).run(None, inputs)
-    want = ops.paged_attention(*inputs.values(), block_size=BLOCK_SIZE, **ATTRS)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # padding rows included: zeros in both
+    return _model(ops.PAGED_ATTENTION, inputs, block_size=BLOCK_SIZE, **ATTRS)
 
 
 def test_paged_attention_without_head_dim_attribute(library: Path) -> None:
     """Artifacts exported before head_dim was an attribute still load: the kernel takes it from the query."""
     inputs = _paged_batch(4)
-    model = _model("PagedAttention", inputs, ["out"], check=False, block_size=BLOCK_SIZE, **ATTRS)
-    (got,) = _session(model, library).run(None, inputs)
+    model = op_model(ops.PAGED_ATTENTION, list(inputs.values()), dict(ATTRS, block_size=BLOCK_SIZE))
+    (node,) = model.graph.node
+    node.attribute.remove(next(a for a in node.attribute if a.name == "head_dim"))
+    (got,) = _session(model.SerializeToString(), library).run(None, inputs)
     want = ops.paged_attention(*inputs.values(), block_size=BLOCK_SIZE, **ATTRS)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-def test_self_attention_equals_reference(library: Path) -> None:
-    rng = np.random.default_rng(3)
-    cu = np.array([0, 6, 7, 90, 90, 90], np.int32)  # an empty sequence, then padding rows
-    inputs = {"query": rng.standard_normal((93, HEADS * HEAD_DIM), dtype=np.float32),
-              "key": rng.standard_normal((93, KV_HEADS * HEAD_DIM), dtype=np.float32),
-              "value": rng.standard_normal((93, KV_HEADS * HEAD_DIM), dtype=np.float32), "cu_seqlens_q": cu}
-    model = _model("SelfAttention", inputs, ["out"], head_dim=HEAD_DIM, **ATTRS)
-    (got,) = _session(model, library).run(None, inputs)
-    np.testing.assert_allclose(got, ops.self_attention(*inputs.values(), **ATTRS), rtol=1e-4, atol=1e-5)
-
-
-def test_rope_and_swiglu_equal_references(library: Path) -> None:
-    rng = np.random.default_rng(5)
-    tokens = 37
-    angles = rng.uniform(0, 50, (tokens, HEAD_DIM // 2))
-    cos, sin = (np.concatenate([f(angles)] * 2, axis=1).astype(np.float32) for f in (np.cos, np.sin))
-    inputs = {"query": rng.standard_normal((tokens, HEADS * HEAD_DIM), dtype=np.float32),
-              "key": rng.standard_normal((tokens, KV_HEADS * HEAD_DIM), dtype=np.float32), "cos": cos, "sin": sin}
-    got = _session(_model("Rope", inputs, ["q_out", "k_out"]), library).run(None, inputs)
-    for g, x in zip(got, (inputs["query"], inputs["key"])):
-        np.testing.assert_allclose(g, ops.rope(x, cos, sin, HEAD_DIM), rtol=1e-5, atol=1e-5)
-    x = {"x": (rng.standard_normal((tokens, 2 * 96)) * 6).astype(np.float32)}
-    (got,) = _session(_model("SwiGLU", x, ["y"]), library).run(None, x)
-    np.testing.assert_allclose(got, ops.swiglu(x["x"]), rtol=1e-5, atol=1e-5)
 
 
 def _cache_inputs(seed: int, num_slots: int = 40 * BLOCK_SIZE) -> dict[str, np.ndarray]:
@@ -140,7 +90,7 @@ def test_reshape_and_cache_equals_reference_without_aliasing(library: Path) -> N
     """A plain run gives fresh output pools (a full copy plus the rows) and leaves the inputs as they were."""
     inputs = _cache_inputs(4)
     before = {k: v.copy() for k, v in inputs.items()}
-    got = _session(_model("ReshapeAndCache", inputs, ["k_out", "v_out"]), library).run(None, inputs)
+    got = _session(_model(ops.RESHAPE_AND_CACHE, inputs), library).run(None, inputs)
     want = ops.reshape_and_cache(*(v.copy() for v in inputs.values()))
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -152,13 +102,13 @@ def test_reshape_and_cache_in_place_under_iobinding_aliasing(library: Path) -> N
     """Pools bound as input and output: ORT hands the kernel the pool's own buffer; only the slot rows change."""
     inputs = _cache_inputs(5)
     before = {k: inputs[k].copy() for k in ("k_cache", "v_cache")}
-    session = _session(_model("ReshapeAndCache", inputs, ["k_out", "v_out"]), library)
+    session = _session(_model(ops.RESHAPE_AND_CACHE, inputs), library)
     binding = session.io_binding()
     for name, array in inputs.items():
         value = ort.OrtValue.ortvalue_from_numpy(array)
         binding.bind_ortvalue_input(name, value)
         if name in before:
-            binding.bind_ortvalue_output(f"{name[0]}_out", value)
+            binding.bind_ortvalue_output(f"{name}_out", value)
     session.run_with_iobinding(binding)
     want_k, want_v = ops.reshape_and_cache(inputs["key"], inputs["value"], before["k_cache"].copy(),
                                            before["v_cache"].copy(), inputs["slot_mapping"])

@@ -1,25 +1,48 @@
-"""The ops both MindSpore targets lower the same way (gather, add, split, linear). Graph code."""
+"""The bodies both MindSpore targets share (Gather, Add, Split, Linear): Cells, their construct is graph code."""
 from __future__ import annotations
+
+from typing import Any
 
 from mindspore import nn, ops
 
+from graphs import ops as op_set
 
-class CommonOps(nn.Cell):
-    def __init__(self) -> None:
+
+class Gather(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+
+    def construct(self, table, indices):
+        return ops.gather(table, indices, 0)
+
+
+class Add(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+
+    def construct(self, a, b):
+        return a + b
+
+
+class Split(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.sizes = attrs.sizes
+
+    def construct(self, x):
+        return ops.split(x, self.sizes, -1)
+
+
+class Linear(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.matmul_t = ops.MatMul(transpose_b=True)  # ATB's [out, in] weights; a tied LM head reads the embedding
 
-    def gather(self, table, indices):
-        return ops.gather(table, indices, 0)
-
-    def add(self, a, b):
-        return a + b
-
-    def split(self, x, sizes):
-        return ops.split(x, sizes, -1)
-
-    def linear(self, x, weight, bias):
+    def construct(self, x, weight, bias):
         y = self.matmul_t(x, weight)
         if bias is None:
             return y
         return y + bias
+
+
+COMMON = {op_set.GATHER: Gather, op_set.ADD: Add, op_set.SPLIT: Split, op_set.LINEAR: Linear}

@@ -1,18 +1,22 @@
-"""The op set on MindSpore CPU: standard ops plus pagedgraph's C++ kernels as `ops.Custom(func_type="aot")`.
+"""The MindSpore CPU lowering: standard ops plus pagedgraph's C++ kernels as `ops.Custom(func_type="aot")`.
 
 MindSpore has no CPU kernels for its own PagedAttention/ReshapeAndCache, so the fused ops run
-kernels/ through the AOT interface. Method bodies are MindSpore graph code: they are
-parsed by GRAPH_MODE, not run by Python.
+kernels/ through the AOT interface. Float32; pools are [num_slots, kv_heads*head_dim] graph inputs
+written in place. Each body is a Cell built from the op's attributes; construct is graph code,
+parsed by GRAPH_MODE, not run by Python. Attributes reach the kernels as constant inputs.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor, nn, ops
 from mindspore import dtype as mstype
 
-from exporter.mindspore.common_ops import CommonOps
+from exporter.mindspore.common_ops import COMMON
+from graphs import ops as op_set
+from graphs.ops.op import Lowering
 
 
 def _kernel(library: Path, name: str, side_effect: bool = False, **attrs: object) -> ops.Custom:
@@ -31,54 +35,78 @@ def _kernel(library: Path, name: str, side_effect: bool = False, **attrs: object
     return op
 
 
-class CpuOps(CommonOps):
-    """Float32 lowering; pools are [num_slots, kv_heads*head_dim] graph inputs written in place."""
-
-    def __init__(self, library: Path) -> None:
+class RmsNorm(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
-        self.library = library
-        self.cache_write = _kernel(library, "ReshapeAndCache", side_effect=True)
-        self.paged = None
-        self.packed = None
+        self.epsilon = attrs.epsilon
 
-    def prepare_attention(self, head_num: int, kv_head_num: int, qk_scale: float, block_size: int) -> None:
-        """Called while recording, before the graph runs: attributes become constant kernel inputs."""
-        attrs = dict(head_num=head_num, kv_head_num=kv_head_num, qk_scale=qk_scale)
-        self.paged = _kernel(self.library, "PagedAttention", block_size=block_size, **attrs)
-        self.packed = _kernel(self.library, "SelfAttention", **attrs)
-        self.paged_dims = Tensor(np.array([head_num, kv_head_num, block_size], np.int64))
-        self.packed_dims = Tensor(np.array([head_num, kv_head_num], np.int64))
-        self.scale = Tensor(np.array([qk_scale], np.float32))
-
-    def rms_norm(self, x, weight, epsilon):
+    def construct(self, x, weight):
         variance = ops.mean(ops.square(x), -1, True)
-        return x / ops.sqrt(variance + epsilon) * weight
+        return x / ops.sqrt(variance + self.epsilon) * weight
 
-    def rope(self, query, key, cos, sin, head_dim):
-        return self._rotate(query, cos, sin, head_dim), self._rotate(key, cos, sin, head_dim)
 
-    def _rotate(self, x, cos, sin, head_dim):
+class Rope(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.head_dim = attrs.head_dim
+
+    def construct(self, query, key, cos, sin):
+        return self.rotate(query, cos, sin), self.rotate(key, cos, sin)
+
+    def rotate(self, x, cos, sin):
         tokens = x.shape[0]
-        heads = ops.reshape(x, (tokens, -1, head_dim))
-        first, second = ops.split(heads, head_dim // 2, -1)
+        heads = ops.reshape(x, (tokens, -1, self.head_dim))
+        first, second = ops.split(heads, self.head_dim // 2, -1)
         rotated = ops.concat((-second, first), -1)
         out = heads * ops.expand_dims(cos, 1) + rotated * ops.expand_dims(sin, 1)
         return ops.reshape(out, (tokens, -1))
 
-    def swiglu(self, x):
+
+class SwiGLU(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+
+    def construct(self, x):
         gate, up = ops.split(x, x.shape[-1] // 2, -1)
         return gate * ops.sigmoid(gate) * up
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):
-        token = self.cache_write(key, value, k_cache, v_cache, slot_mapping)
+
+class ReshapeAndCache(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.write = _kernel(target.library, "ReshapeAndCache", side_effect=True)
+
+    def construct(self, key, value, k_cache, v_cache, slot_mapping):
+        token = self.write(key, value, k_cache, v_cache, slot_mapping)
         return ops.depend(k_cache, token), ops.depend(v_cache, token)
 
-    def paged_attention(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
-        return self.paged(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, self.paged_dims,
-                          self.scale)
 
-    def self_attention(self, query, key, value, cu_seqlens_q):
-        return self.packed(query, key, value, cu_seqlens_q, self.packed_dims, self.scale)
+class PagedAttention(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.kernel = _kernel(target.library, "PagedAttention", head_num=attrs.head_num,
+                              kv_head_num=attrs.kv_head_num, qk_scale=attrs.qk_scale, block_size=attrs.block_size)
+        self.dims = Tensor(np.array([attrs.head_num, attrs.kv_head_num, attrs.block_size], np.int64))
+        self.scale = Tensor(np.array([attrs.qk_scale], np.float32))
 
-    def logits(self, x):
-        return x
+    def construct(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
+        return self.kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, self.dims, self.scale)
+
+
+class SelfAttention(nn.Cell):
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.kernel = _kernel(target.library, "SelfAttention", head_num=attrs.head_num,
+                              kv_head_num=attrs.kv_head_num, qk_scale=attrs.qk_scale)
+        self.dims = Tensor(np.array([attrs.head_num, attrs.kv_head_num], np.int64))
+        self.scale = Tensor(np.array([attrs.qk_scale], np.float32))
+
+    def construct(self, query, key, value, cu_seqlens_q):
+        return self.kernel(query, key, value, cu_seqlens_q, self.dims, self.scale)
+
+
+MINDSPORE_CPU: Lowering[Any] = Lowering(
+    "mindspore-cpu", "exporter/mindspore/cpu_ops.py (shared: exporter/mindspore/common_ops.py)",
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
+     op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
+     op_set.SELF_ATTENTION: SelfAttention})

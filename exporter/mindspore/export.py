@@ -17,7 +17,7 @@ import numpy as np
 from artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, gear_key, import_mindspore,
                              write_weights)
 from exporter.checkpoint.base import Checkpoint
-from exporter.mindspore.builder import MindSporeBuilder, load_cell_class, weight_attribute
+from exporter.mindspore.builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
 from graphs import contract as c
 from graphs import llama
 from graphs.contract import DECODE, Gear
@@ -59,19 +59,20 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
 
 def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights: dict[str, np.ndarray],
                  scratch: Path) -> tuple[Any, MindSporeBuilder]:
-    """Record llama.build against the target's op set and instantiate the generated Cell."""
+    """Record llama.build against the target's lowering and instantiate the generated Cell."""
     if target == "cpu":
-        from exporter.mindspore.cpu_ops import CpuOps
+        from exporter.mindspore.cpu_ops import MINDSPORE_CPU
         from kernels.build import library_path
 
-        op_set: Any = CpuOps(library_path())
+        lowering, ms_target = MINDSPORE_CPU, MindSporeTarget("cpu", library=library_path())
     else:
-        from exporter.mindspore.ascend_ops import AscendOps
+        from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND, Float32Logits
 
-        op_set = AscendOps(multi_query=family != DECODE)
-    builder = MindSporeBuilder(op_set, weights_as_inputs=target == "cpu")
+        lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
+                                                                logits=Float32Logits)
+    builder = MindSporeBuilder(lowering, ms_target, weights_as_inputs=target == "cpu")
     llama.build(builder, model, block_size)
-    cell = load_cell_class(builder.source(), scratch / f"{target}_{family}.py")(op_set)
+    cell = load_cell_class(builder.source(), scratch / f"{target}_{family}.py")(builder.cells)
     if target == "ascend":
         from mindspore import Parameter
         from mindspore.common.initializer import initializer

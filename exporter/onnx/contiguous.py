@@ -15,22 +15,24 @@ Query s of row b sees cache positions 0 .. context_lens[b] - S + s (right paddin
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from exporter.onnx.functions import NEG_INF
+from exporter.onnx.attention import NEG_INF
 from exporter.onnx.graph_builder import OnnxBuilder
+from exporter.onnx.lowering import ONNX
 from exporter.onnx.nodes import Nodes
 from graphs import contract as c
-from graphs import llama
+from graphs import llama, ops
 from graphs.config import ModelConfig
+from graphs.ops.op import Attributes, Lowering, Op
 
 
 class ContiguousBuilder(OnnxBuilder):
-    """OnnxBuilder whose cache write and attention use a [B, KV, max_len, D] cache per layer.
+    """OnnxBuilder whose cache write and attention (the CONTIGUOUS bodies) use a [B, KV, max_len, D] cache per layer.
 
     `external` maps weight names to initializers that reference the paged graph's weight file,
     so the baseline stores no weights of its own.
@@ -53,12 +55,15 @@ class ContiguousBuilder(OnnxBuilder):
         if name != c.LOGITS:
             self.outputs[-1] = helper.make_tensor_value_info(name, TensorProto.FLOAT, self._pool_dims)
 
+    def emit(self, op: Op, *inputs: str | None, **attrs: Any) -> Any:
+        return CONTIGUOUS.emit(self, op, inputs, attrs)
+
     def _once(self, key: str, make: Callable[[Nodes], str]) -> str:
         if key not in self._shared:
             self._shared[key] = make(self.n)
         return self._shared[key]
 
-    def _scatter_indices(self, slot_mapping: str, pool: str) -> str:
+    def scatter_indices(self, slot_mapping: str, pool: str) -> str:
         """[T, KV, 3] = (row, kv head, position) of every token's K/V."""
         def make(n: Nodes) -> str:
             max_len, kv = n.shape_dim(pool, 2), self.config.num_kv_heads
@@ -69,17 +74,9 @@ class ContiguousBuilder(OnnxBuilder):
                         per_token(n.op("Mod", slot_mapping, max_len)), axis=-1)
         return self._once("indices", make)
 
-    def reshape_and_cache(self, key: str, value: str, k_cache: str, v_cache: str, slot_mapping: str) -> tuple[str, str]:
-        # The pool input feeds ScatterND directly and ScatterND's output is the graph output: in place.
-        index = self._scatter_indices(slot_mapping, k_cache)
-        rows = self.n.const([0, self.config.num_kv_heads, self.config.head_dim])
-        return (self.n.op("ScatterND", k_cache, index, self.n.op("Reshape", key, rows)),
-                self.n.op("ScatterND", v_cache, index, self.n.op("Reshape", value, rows)))
-
-    def _mask(self, context_lens: str, pool: str) -> str:
+    def mask(self, context_lens: str, pool: str, group: int) -> str:
         """[B, 1, S*G, max_len]: query s (repeated for the G heads of a kv head) sees positions <= first + s."""
         def make(n: Nodes) -> str:
-            group = self.config.num_heads // self.config.num_kv_heads
             seqs = n.shape_dim(context_lens, 0)
             per_row = n.op("Div", n.shape_dim(c.INPUT_IDS, 0), seqs)
             s_range = n.op("Range", n.const(0), n.op("Squeeze", per_row), n.const(1))
@@ -91,20 +88,6 @@ class ContiguousBuilder(OnnxBuilder):
             return n.op("Reshape", visible, n.op("Concat", seqs, n.const([1, -1]), n.shape_dim(pool, 2), axis=0))
         return self._once("mask", make)
 
-    def paged_attention(self, query: str, k_cache: str, v_cache: str, block_tables: str, context_lens: str,
-                        cu_seqlens_q: str | None, *, head_num: int, kv_head_num: int, qk_scale: float,
-                        block_size: int) -> str:
-        n, dim, group = self.n, self.config.head_dim, head_num // kv_head_num
-        seqs = n.shape_dim(context_lens, 0)
-        q = n.op("Reshape", query, n.op("Concat", seqs, n.const([-1, kv_head_num, group, dim]), axis=0))
-        q = n.op("Reshape", n.op("Transpose", q, perm=[0, 2, 1, 3, 4]), n.const([0, 0, -1, dim]))  # [B, KV, S*G, D]
-        q = n.op("Mul", q, n.const(qk_scale, dtype=np.float32))
-        scores = n.op("MatMul", q, n.op("Transpose", k_cache, perm=[0, 1, 3, 2]))  # ORT fuses the transpose away
-        scores = n.op("Where", self._mask(context_lens, k_cache), scores, n.const(NEG_INF, dtype=np.float32))
-        out = n.op("MatMul", n.op("Softmax", scores, axis=-1), v_cache)  # [B, KV, S*G, D]
-        out = n.op("Reshape", out, n.op("Concat", seqs, n.const([kv_head_num, -1, group, dim]), axis=0))
-        return n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), n.const([-1, head_num * dim]))
-
     def model(self, name: str) -> onnx.ModelProto:
         model = super().model(name)
         graph = model.graph
@@ -115,6 +98,36 @@ class ContiguousBuilder(OnnxBuilder):
         for info in unused:
             graph.input.remove(info)
         return model
+
+
+def _reshape_and_cache(b: ContiguousBuilder, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+    # The pool input feeds ScatterND directly and ScatterND's output is the graph output: in place.
+    key, value, k_cache, v_cache, slot_mapping = inputs
+    index = b.scatter_indices(slot_mapping, k_cache)
+    rows = b.n.const([0, b.config.num_kv_heads, b.config.head_dim])
+    return [b.n.op("ScatterND", k_cache, index, b.n.op("Reshape", key, rows)),
+            b.n.op("ScatterND", v_cache, index, b.n.op("Reshape", value, rows))]
+
+
+def _paged_attention(b: ContiguousBuilder, inputs: Sequence[str], attrs: Any) -> list[str]:
+    """Attention over each row's whole [KV, max_len, D] cache row, masked causally (block_tables unused)."""
+    query, k_cache, v_cache, _, context_lens, _ = inputs
+    n, dim, heads, kv_heads = b.n, attrs.head_dim, attrs.head_num, attrs.kv_head_num
+    group = heads // kv_heads
+    seqs = n.shape_dim(context_lens, 0)
+    q = n.op("Reshape", query, n.op("Concat", seqs, n.const([-1, kv_heads, group, dim]), axis=0))
+    q = n.op("Reshape", n.op("Transpose", q, perm=[0, 2, 1, 3, 4]), n.const([0, 0, -1, dim]))  # [B, KV, S*G, D]
+    q = n.op("Mul", q, n.const(attrs.qk_scale, dtype=np.float32))
+    scores = n.op("MatMul", q, n.op("Transpose", k_cache, perm=[0, 1, 3, 2]))  # ORT fuses the transpose away
+    scores = n.op("Where", b.mask(context_lens, k_cache, group), scores, n.const(NEG_INF, dtype=np.float32))
+    out = n.op("MatMul", n.op("Softmax", scores, axis=-1), v_cache)  # [B, KV, S*G, D]
+    out = n.op("Reshape", out, n.op("Concat", seqs, n.const([kv_heads, -1, group, dim]), axis=0))
+    return [n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), n.const([-1, heads * dim]))]
+
+
+CONTIGUOUS: Lowering[Any] = Lowering("contiguous", "exporter/onnx/contiguous.py",
+                                     {ops.RESHAPE_AND_CACHE: _reshape_and_cache, ops.PAGED_ATTENTION: _paged_attention},
+                                     fallback=ONNX)
 
 
 def naive_model(config: ModelConfig, paged: onnx.ModelProto, block_size: int) -> onnx.ModelProto:

@@ -1,44 +1,45 @@
-"""OnnxBuilder: the op vocabulary emitted as ONNX nodes, fused ops as `atb` function calls."""
+"""OnnxBuilder: a model definition emitted as ONNX nodes through the ONNX lowering's bodies."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.onnx.functions import FUNCTIONS
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
+from exporter.onnx.lowering import ONNX, OnnxBody, OnnxGraph
+from exporter.onnx.nodes import ATB_DOMAIN, OPSET
 from graphs import contract as c
-from graphs.builder import OpBuilder
 from graphs.config import ModelConfig
+from graphs.ops.op import Lowering, Op
 
 IR_VERSION = 10
-_NP_TO_ONNX = {np.int64: TensorProto.INT64, np.int32: TensorProto.INT32}
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
+               np.dtype(np.int32): TensorProto.INT32}
 
 
-class OnnxBuilder(OpBuilder[str]):
+class OnnxBuilder(OnnxGraph):
     """Collects one graph with symbolic bucket dims; weights stay numpy until `model()`."""
 
+    lowering: Lowering[OnnxBody] = ONNX
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+        super().__init__()
         self.config = config
         self.weights = weights
-        self.n = Nodes(prefix="n")
         self.inputs: dict[str, onnx.ValueInfoProto] = {}
         self.outputs: list[onnx.ValueInfoProto] = []
         self.used_weights: list[str] = []
-        self.used_functions: list[str] = []
         self._output_names: dict[str, str] = {}
 
-    def _fused(self, op_type: str, *inputs: str, outputs: int = 1, **attrs: object) -> object:
-        if op_type not in self.used_functions:
-            self.used_functions.append(op_type)
-        return self.n.op(op_type, *inputs, outputs=outputs, domain=ATB_DOMAIN, **attrs)
+    def emit(self, op: Op, *inputs: str | None, **attrs: Any) -> Any:
+        return self.lowering.emit(self, op, inputs, attrs)
 
     def input(self, name: str) -> str:
         if name not in self.inputs:
             if name in c.INPUT_DTYPES:
-                info = helper.make_tensor_value_info(name, _NP_TO_ONNX[c.INPUT_DTYPES[name]], list(c.INPUT_DIMS[name]))
+                info = helper.make_tensor_value_info(name, _NP_TO_ONNX[np.dtype(c.INPUT_DTYPES[name])],
+                                                     list(c.INPUT_DIMS[name]))
             else:  # a KV pool
                 info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", self.config.kv_size])
             self.inputs[name] = info
@@ -57,57 +58,39 @@ class OnnxBuilder(OpBuilder[str]):
             info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", self.config.kv_size])
         self.outputs.append(info)
 
-    def gather(self, table: str, indices: str) -> str:
-        return self.n.op("Gather", table, indices, axis=0)
-
-    def add(self, a: str, b: str) -> str:
-        return self.n.op("Add", a, b)
-
-    def split(self, x: str, sizes: Sequence[int]) -> list[str]:
-        return self.n.op("Split", x, self.n.const(list(sizes)), axis=-1, outputs=len(sizes))
-
-    def linear(self, x: str, weight: str, bias: str | None = None) -> str:
-        # Gemm with transB keeps ATB's [out, in] layout, so a tied LM head reads the embedding itself.
-        return self.n.op("Gemm", x, weight, *([bias] if bias else []), transB=1)
-
-    def rms_norm(self, x: str, weight: str, epsilon: float) -> str:
-        return self._fused("RmsNorm", x, weight, epsilon=float(epsilon))
-
-    def rope(self, query: str, key: str, cos: str, sin: str, head_dim: int) -> tuple[str, str]:
-        q, k = self._fused("Rope", query, key, cos, sin, outputs=2)
-        return q, k
-
-    def swiglu(self, x: str) -> str:
-        return self._fused("SwiGLU", x)
-
-    def reshape_and_cache(self, key: str, value: str, k_cache: str, v_cache: str, slot_mapping: str) -> tuple[str, str]:
-        k, v = self._fused("ReshapeAndCache", key, value, k_cache, v_cache, slot_mapping, outputs=2)
-        return k, v
-
-    def paged_attention(self, query: str, k_cache: str, v_cache: str, block_tables: str, context_lens: str,
-                        cu_seqlens_q: str | None, *, head_num: int, kv_head_num: int, qk_scale: float,
-                        block_size: int) -> str:
-        if cu_seqlens_q is None:
-            raise ValueError("the ONNX PagedAttention always takes cu_seqlens_q (decode passes one query per sequence)")
-        return self._fused("PagedAttention", query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
-                           head_num=head_num, kv_head_num=kv_head_num, head_dim=self.config.head_dim,
-                           qk_scale=float(qk_scale), block_size=block_size)
-
-    def self_attention(self, query: str, key: str, value: str, cu_seqlens_q: str, *, head_num: int,
-                       kv_head_num: int, qk_scale: float) -> str:
-        return self._fused("SelfAttention", query, key, value, cu_seqlens_q,
-                           head_num=head_num, kv_head_num=kv_head_num, head_dim=self.config.head_dim,
-                           qk_scale=float(qk_scale))
-
     def model(self, name: str) -> onnx.ModelProto:
         for value, output_name in self._output_names.items():
             self.n.rename(value, output_name)
         initializers = [numpy_helper.from_array(self.weights[w], w) for w in self.used_weights]
         graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs, initializers)
-        return helper.make_model(
-            graph,
-            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
-            functions=[FUNCTIONS[f]() for f in self.used_functions],
-            ir_version=IR_VERSION,
-            producer_name="pagedgraph",
-        )
+        return _model(graph, self.functions.values())
+
+
+def _model(graph: onnx.GraphProto, functions: Any) -> onnx.ModelProto:
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
+        functions=[f.proto() for f in functions],
+        ir_version=IR_VERSION,
+        producer_name="pagedgraph",
+    )
+
+
+def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]) -> onnx.ModelProto:
+    """`op` alone, as the ONNX lowering emits it: inputs and outputs named as the op declares them, symbolic dims.
+
+    The model the op-by-lowering walk runs (and the custom-op tests, whose kernels replace the node).
+    """
+    builder = OnnxGraph()
+    names = [spec.name if x is not None else None for spec, x in zip(op.inputs, op.arguments(inputs))]
+    outputs = ONNX.emit(builder, op, names, attrs)
+    outputs = [outputs] if isinstance(outputs, str) else list(outputs)
+    specs = [op.outputs[-1]] * len(outputs) if op.outputs[-1].variadic else list(op.outputs)
+    out_names = [f"{t.name}_{i}" if t.variadic else t.name for i, t in enumerate(specs)]
+    for value, out in zip(outputs, out_names):
+        builder.n.rename(value, out)
+    infos = [helper.make_tensor_value_info(name, _NP_TO_ONNX[x.dtype], [f"{name}_{i}" for i in range(x.ndim)])
+             for name, x in zip(names, inputs) if x is not None]
+    outs = [helper.make_tensor_value_info(o, _NP_TO_ONNX[np.dtype(t.dtypes[0])], [f"{o}_{i}" for i in range(len(t.shape))])
+            for o, t in zip(out_names, specs)]
+    return _model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder.functions.values())

@@ -1,25 +1,28 @@
-"""The op set: ATB names, contracts and numpy references.
+"""The op set: each op declared once (ATB name, attributes, inputs/outputs, numpy reference).
 
-Every lowering implements exactly these ops; the numpy references are the ground truth
-the lowerings are tested against. Bump OP_SET_VERSION when a contract changes: artifacts
-record it and the runtime refuses a mismatch.
+Every lowering registers one body per op (graphs/ops/op.py: `Lowering`); the numpy references
+are the ground truth the lowerings are tested against (tests/test_op_walk.py). Bump
+OP_SET_VERSION when a contract changes: artifacts record it and the runtime refuses a mismatch.
 """
-from graphs.ops.attention import paged_attention, self_attention
-from graphs.ops.cache import reshape_and_cache
-from graphs.ops.elementwise import rms_norm, rope, swiglu
-from graphs.ops.linear import linear
+from graphs.ops.add import ADD, add
+from graphs.ops.gather import GATHER, gather
+from graphs.ops.linear import LINEAR, linear
+from graphs.ops.op import Op
+from graphs.ops.paged_attention import PAGED_ATTENTION, paged_attention
+from graphs.ops.reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
+from graphs.ops.rms_norm import RMS_NORM, rms_norm
+from graphs.ops.rope import ROPE, rope
+from graphs.ops.self_attention import SELF_ATTENTION, self_attention
+from graphs.ops.split import SPLIT, split
+from graphs.ops.swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
-FUSED_OPS = ("ReshapeAndCache", "PagedAttention", "SelfAttention", "RmsNorm", "Rope", "SwiGLU")
+# Every op and op variant, in the order docs/design.md lists them; a new one is added here.
+OPS: tuple[Op, ...] = (GATHER, ADD, SPLIT, LINEAR, RMS_NORM, ROPE, SWIGLU, RESHAPE_AND_CACHE, PAGED_ATTENTION,
+                       SELF_ATTENTION)
 
 __all__ = [
-    "OP_SET_VERSION",
-    "FUSED_OPS",
-    "linear",
-    "paged_attention",
-    "reshape_and_cache",
-    "rms_norm",
-    "rope",
-    "self_attention",
-    "swiglu",
+    "ADD", "GATHER", "LINEAR", "OPS", "OP_SET_VERSION", "PAGED_ATTENTION", "RESHAPE_AND_CACHE", "RMS_NORM", "ROPE",
+    "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",
+    "rms_norm", "rope", "self_attention", "split", "swiglu",
 ]

@@ -1,58 +1,17 @@
-"""The fused ops as ONNX model-local functions of domain `atb` with standard-op bodies.
+"""The ONNX function bodies of PagedAttention and SelfAttention (standard ops; exporter/onnx/lowering.py).
 
-A graph keeps each fused op as ONE node with ATB's name and attributes (what ATC and
-readers see); ONNX Runtime inlines the bodies. Body rules measured on this machine:
-a pool input feeds ScatterND directly and ScatterND's output is the graph output, so
-with IOBinding aliasing the write happens in place; grouped-query layout is kept.
+Inputs and attributes are the formal ones of the op's declaration (graphs/ops); grouped-query
+layout is kept (expanding K/V to every query head is slower, docs/performance.md).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from onnx import FunctionProto, TensorProto, helper
+from onnx import TensorProto, helper
 
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
+from exporter.onnx.nodes import Nodes
 
 NEG_INF = -1e30
-
-
-def _function(name: str, inputs: list[str], outputs: list[str], attributes: list[str],
-              body: Callable[[Nodes], list[str]]) -> FunctionProto:
-    n = Nodes(prefix="")
-    for result, out in zip(body(n), outputs):
-        n.rename(result, out)  # no trailing Identity: a pool write must stay the op that outputs it
-    return helper.make_function(ATB_DOMAIN, name, inputs, outputs, n.nodes,
-                                [helper.make_opsetid("", OPSET)], attributes=attributes)
-
-
-def _reshape_and_cache(n: Nodes) -> list[str]:
-    index = n.unsqueeze("slot_mapping", [1])
-    return [n.op("ScatterND", "k_cache", index, "key"), n.op("ScatterND", "v_cache", index, "value")]
-
-
-def _rms_norm(n: Nodes) -> list[str]:
-    mean_square = n.op("ReduceMean", n.op("Pow", "x", n.const(2.0, dtype="float32")), axes=[-1], keepdims=1)
-    eps = n.attr_const("epsilon", "float")
-    return [n.op("Mul", n.op("Div", "x", n.op("Sqrt", n.op("Add", mean_square, eps))), "weight")]
-
-
-def _rope(n: Nodes) -> list[str]:
-    head_dim = n.shape_dim("cos", 1)
-    cos, sin = n.unsqueeze("cos", [1]), n.unsqueeze("sin", [1])
-    heads_shape = n.op("Concat", n.const([0, -1]), head_dim, axis=0)
-    rotated = []
-    for x in ("query", "key"):
-        heads = n.op("Reshape", x, heads_shape)
-        first, second = n.op("Split", heads, axis=-1, outputs=2)
-        swapped = n.op("Concat", n.op("Neg", second), first, axis=-1)
-        out = n.op("Add", n.op("Mul", heads, cos), n.op("Mul", swapped, sin))
-        rotated.append(n.op("Reshape", out, n.const([0, -1])))
-    return rotated
-
-
-def _swiglu(n: Nodes) -> list[str]:
-    gate, up = n.op("Split", "x", axis=-1, outputs=2)
-    return [n.op("Mul", n.op("Mul", gate, n.op("Sigmoid", gate)), up)]
 
 
 class _Heads:
@@ -235,7 +194,7 @@ def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str,
     return _when(n, n.op("Greater", seqs, n.const([0])), h.width, attend)
 
 
-def _paged_attention(n: Nodes) -> list[str]:
+def paged_attention(n: Nodes) -> list[str]:
     """Multi-query sequences (prefill chunks) first, then single-query ones, as the packer orders them.
 
     Each group reads only the block-table columns its longest context needs (not the gear's M),
@@ -318,7 +277,7 @@ def _best_split(n: Nodes, blocks: str) -> str:
     return n.op("ArgMin", cost, axis=0, keepdims=1, select_last_index=0)
 
 
-def _self_attention(n: Nodes) -> list[str]:
+def self_attention(n: Nodes) -> list[str]:
     h = _Heads(n)
     cu = n.cast("cu_seqlens_q")
     starts = n.op("Slice", cu, n.const([0]), n.const([-1]))
@@ -338,20 +297,3 @@ def _self_attention(n: Nodes) -> list[str]:
     out = _multi_query(n, h, starts, q_lens, n.op("Mul", q_lens, n.const(0)), own_tokens)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
-
-
-# ATB's headNum, kvHeadNum, qkScale, plus head_dim so every shape in the body is a constant.
-_ATTENTION_ATTRS = ["head_num", "kv_head_num", "head_dim", "qk_scale"]
-FUNCTIONS: dict[str, Callable[[], FunctionProto]] = {
-    "ReshapeAndCache": lambda: _function(
-        "ReshapeAndCache", ["key", "value", "k_cache", "v_cache", "slot_mapping"], ["k_cache_out", "v_cache_out"], [],
-        _reshape_and_cache),
-    "RmsNorm": lambda: _function("RmsNorm", ["x", "weight"], ["y"], ["epsilon"], _rms_norm),
-    "Rope": lambda: _function("Rope", ["query", "key", "cos", "sin"], ["query_out", "key_out"], [], _rope),
-    "SwiGLU": lambda: _function("SwiGLU", ["x"], ["y"], [], _swiglu),
-    "PagedAttention": lambda: _function(
-        "PagedAttention", ["query", "k_cache", "v_cache", "block_tables", "context_lens", "cu_seqlens_q"], ["out"],
-        _ATTENTION_ATTRS + ["block_size"], _paged_attention),
-    "SelfAttention": lambda: _function(
-        "SelfAttention", ["query", "key", "value", "cu_seqlens_q"], ["out"], _ATTENTION_ATTRS, _self_attention),
-}

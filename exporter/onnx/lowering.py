@@ -1,0 +1,114 @@
+"""The ONNX lowering: one body per op of graphs/ops, registered in `ONNX`.
+
+Standard ops (Gather, Add, Split, Linear) become their ONNX nodes. A fused op stays ONE node
+of domain `atb` with ATB's name and the op's attributes (what ATC and readers see), calling a
+model-local function whose formal inputs, outputs and attributes are the op's declaration;
+ONNX Runtime inlines the body, or runs pagedgraph's custom op of that name when registered.
+Body rule measured here: a pool input feeds ScatterND directly and ScatterND's output is the
+graph output, so under IOBinding aliasing the write happens in place (docs/performance.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from onnx import FunctionProto, helper
+
+from exporter.onnx import attention
+from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
+from graphs import ops
+from graphs.ops.op import Attributes, Lowering, Op
+
+
+class OnnxGraph:
+    """What a body writes into: the graph's nodes and the model-local functions they call."""
+
+    def __init__(self) -> None:
+        self.n = Nodes(prefix="n")
+        self.functions: dict[str, Function] = {}
+
+    def use_function(self, function: "Function") -> None:
+        self.functions.setdefault(function.op.key, function)
+
+
+OnnxBody = Callable[[OnnxGraph, Sequence[Any], Attributes], Sequence[str]]
+
+
+@dataclass(frozen=True)
+class Function:
+    """A fused op's body: one `atb` node in the graph, `body` as its model-local function."""
+
+    op: Op
+    body: Callable[[Nodes], list[str]]
+
+    def proto(self) -> FunctionProto:
+        n = Nodes(prefix="")
+        for result, out in zip(self.body(n), self.op.outputs):
+            n.rename(result, out.name)  # no trailing Identity: a pool write must stay the op that outputs it
+        return helper.make_function(ATB_DOMAIN, self.op.name, [t.name for t in self.op.inputs],
+                                    [t.name for t in self.op.outputs], n.nodes, [helper.make_opsetid("", OPSET)],
+                                    attributes=list(self.op.attribute_names))
+
+    def __call__(self, g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+        g.use_function(self)
+        out = g.n.op(self.op.name, *inputs, outputs=len(self.op.outputs), domain=ATB_DOMAIN,
+                     **dataclasses.asdict(attrs))
+        return [out] if isinstance(out, str) else out
+
+
+def _gather(g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+    return [g.n.op("Gather", *inputs, axis=0)]
+
+
+def _add(g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+    return [g.n.op("Add", *inputs)]
+
+
+def _split(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
+    return g.n.op("Split", inputs[0], g.n.const(list(attrs.sizes)), axis=-1, outputs=len(attrs.sizes))
+
+
+def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> list[str]:
+    # Gemm with transB keeps ATB's [out, in] layout, so a tied LM head reads the embedding itself.
+    return [g.n.op("Gemm", *(i for i in inputs if i is not None), transB=1)]
+
+
+def _reshape_and_cache(n: Nodes) -> list[str]:
+    index = n.unsqueeze("slot_mapping", [1])
+    return [n.op("ScatterND", "k_cache", index, "key"), n.op("ScatterND", "v_cache", index, "value")]
+
+
+def _rms_norm(n: Nodes) -> list[str]:
+    mean_square = n.op("ReduceMean", n.op("Pow", "x", n.const(2.0, dtype="float32")), axes=[-1], keepdims=1)
+    eps = n.attr_const("epsilon", "float")
+    return [n.op("Mul", n.op("Div", "x", n.op("Sqrt", n.op("Add", mean_square, eps))), "weight")]
+
+
+def _rope(n: Nodes) -> list[str]:
+    head_dim = n.unsqueeze(n.attr_const("head_dim", "int"), [0])
+    cos, sin = n.unsqueeze("cos", [1]), n.unsqueeze("sin", [1])
+    heads_shape = n.op("Concat", n.const([0, -1]), head_dim, axis=0)
+    rotated = []
+    for x in ("query", "key"):
+        heads = n.op("Reshape", x, heads_shape)
+        first, second = n.op("Split", heads, axis=-1, outputs=2)
+        swapped = n.op("Concat", n.op("Neg", second), first, axis=-1)
+        out = n.op("Add", n.op("Mul", heads, cos), n.op("Mul", swapped, sin))
+        rotated.append(n.op("Reshape", out, n.const([0, -1])))
+    return rotated
+
+
+def _swiglu(n: Nodes) -> list[str]:
+    gate, up = n.op("Split", "x", axis=-1, outputs=2)
+    return [n.op("Mul", n.op("Mul", gate, n.op("Sigmoid", gate)), up)]
+
+
+_FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
+    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.RESHAPE_AND_CACHE: _reshape_and_cache,
+    ops.PAGED_ATTENTION: attention.paged_attention, ops.SELF_ATTENTION: attention.self_attention,
+}
+ONNX: Lowering[OnnxBody] = Lowering(
+    "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",
+    {ops.GATHER: _gather, ops.ADD: _add, ops.SPLIT: _split, ops.LINEAR: _linear,
+     **{op: Function(op, body) for op, body in _FUNCTIONS.items()}})

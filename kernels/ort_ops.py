@@ -1,0 +1,28 @@
+"""The ops pagedgraph's ONNX Runtime custom-op library (ort_ops.cc) runs as one C++ kernel each.
+
+ONNX Runtime prefers a registered kernel to the model-local function of the same `atb` name, so
+registering the library (runtime/executor_ort.py) is a pure speed-up: every other op runs its ONNX
+body. Each entry names the C++ struct that implements the op; the op-by-lowering walk runs the
+library on the op's examples and checks from ORT's profile that the kernel, not the body, ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphs import ops
+from graphs.ops.op import Lowering, Op
+
+
+@dataclass(frozen=True)
+class CustomKernel:
+    """An `atb` custom op of the library: `struct <name>` in ort_ops.cc, registered under the op's name."""
+
+    op: Op
+    source: str = "kernels/ort_ops.cc"
+
+
+ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
+    "onnxruntime-custom", "kernels/ort_ops.cc (declared in kernels/ort_ops.py)",
+    {op: CustomKernel(op) for op in (ops.RESHAPE_AND_CACHE, ops.PAGED_ATTENTION, ops.SELF_ATTENTION, ops.ROPE,
+                                     ops.SWIGLU)},
+    fallback="onnx")

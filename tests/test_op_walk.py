@@ -1,0 +1,231 @@
+"""One walk over ops x lowerings (as llama.cpp's test-backend-ops): every body against the op's numpy reference.
+
+The rows are graphs/ops.OPS and each op's examples; the columns are exporter.lowerings.lowerings().
+A lowering that registers a body for an op is run on every example of it, so a new op or op
+variant (a dtype, a quantized form) is checked by every lowering that claims it, and a lowering
+that lacks a body fails the registry check below. How each lowering runs one op:
+- onnx: the op alone as the exporter emits it (`op_model`), in ONNX Runtime without custom ops;
+- onnxruntime-custom: the same model with pagedgraph's library registered, and ORT's profile must
+  show the op itself ran (the C++ kernel), not its function body;
+- contiguous: the baseline's bodies on the example converted to its [B, KV, max_len, D] cache
+  layout (where the example has a shape that layout can express: one query run length per row);
+- mindspore-cpu: the op's body Cell alone in GRAPH_MODE (static shapes, the AOT kernels);
+- mindspore-ascend: no Ascend device here, so the body Cell is exported to MINDIR in float16 (MindSpore
+  infers every primitive's types and shapes) and the primitives are read back;
+- kernels: the C API through ctypes (kernels/binding.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from exporter.lowerings import BEGIN, END, lowerings, registry_report, with_table
+from exporter.onnx.graph_builder import _NP_TO_ONNX, _model, op_model
+from graphs import ops
+from graphs.config import ModelConfig
+from graphs.contract import INPUT_IDS
+from graphs.ops import OPS
+from graphs.ops.op import Example, Op
+from tests.mindspore_support import require_mindspore
+
+require_mindspore()
+
+REPO = Path(__file__).resolve().parent.parent
+LOWERINGS = {lowering.name: lowering for lowering in lowerings()}
+
+
+def _cases() -> Iterator[Any]:
+    for lowering in LOWERINGS.values():
+        for op in OPS:
+            if lowering.own(op) is None:
+                continue
+            examples = list(op.examples())
+            if lowering.name == "contiguous":
+                examples = [e for e in examples if _fits_contiguous(op, e)]
+            if lowering.name == "mindspore-ascend":
+                examples = examples[:1]  # export-only: one shape per op says the body builds
+            for i, example in enumerate(examples):
+                yield pytest.param(lowering.name, op, example, id=f"{lowering.name}-{op.key}-{i}-{example.label}")
+
+
+def _fits_contiguous(op: Op, example: Example) -> bool:
+    """The contiguous layout holds one query run length per row and no padding rows."""
+    if op is not ops.PAGED_ATTENTION:
+        return True
+    query, cu = example.inputs[0], example.inputs[5]
+    return len(set(np.diff(cu))) == 1 and cu[-1] == len(query)
+
+
+def _feed(op: Op, inputs: tuple[np.ndarray | None, ...]) -> dict[str, np.ndarray]:
+    return {spec.name: x for spec, x in zip(op.inputs, inputs) if x is not None}
+
+
+def _run_onnx(op: Op, example: Example, library: Path | None = None,
+              profile: Path | None = None) -> list[np.ndarray]:
+    model = op_model(op, example.inputs, example.attrs)
+    onnx.checker.check_model(model, full_check=True)
+    options = ort.SessionOptions()
+    if library:
+        options.register_custom_ops_library(str(library))
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outputs = session.run(None, _feed(op, example.inputs))
+    if profile:
+        events = json.loads(Path(session.end_profiling()).read_text())
+        ran = {e["args"]["op_name"] for e in events if e.get("cat") == "Node"}
+        assert ran == {op.name}, f"the custom kernel did not run in place of the function body: {sorted(ran)}"
+    return outputs
+
+
+def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:
+    """The baseline's body on the example in its cache layout; its outputs and the reference's, in that layout."""
+    from exporter.onnx.contiguous import CONTIGUOUS, ContiguousBuilder
+
+    attrs = op.attrs(**example.attrs)
+    reference = op.run_reference(example.inputs, attrs)
+    if op is ops.RESHAPE_AND_CACHE:  # one row holding every slot: slot = position
+        key, value, k_cache, v_cache, slots = example.inputs
+        to_rows = lambda pool: pool[None, None]  # noqa: E731 - [1, 1, num_slots, W]
+        inputs = {"key": key, "value": value, "k_cache": to_rows(k_cache), "v_cache": to_rows(v_cache),
+                  "slot_mapping": slots}
+        kv_heads, head_dim, expected = 1, key.shape[1], tuple(to_rows(x) for x in reference)
+    else:
+        query, k_cache, v_cache, tables, context_lens, cu = example.inputs
+        block = attrs.block_size
+        positions = np.arange(tables.shape[1] * block)
+        slots = tables[:, positions // block].astype(np.int64) * block + positions % block  # [B, max_len]
+
+        def to_rows(pool: np.ndarray) -> np.ndarray:
+            rows = pool[slots].reshape(*slots.shape, attrs.kv_head_num, attrs.head_dim)
+            return np.ascontiguousarray(rows.transpose(0, 2, 1, 3))
+
+        inputs = {"query": query, "k_cache": to_rows(k_cache), "v_cache": to_rows(v_cache), "block_tables": tables,
+                  "context_lens": context_lens, "cu_seqlens_q": cu, INPUT_IDS: np.zeros(len(query), np.int64)}
+        kv_heads, head_dim, expected = attrs.kv_head_num, attrs.head_dim, reference
+    config = ModelConfig("llama", 1, kv_heads * head_dim, 1, 1, kv_heads, kv_heads, head_dim, 1e-5, 1e4, 1, True)
+    builder = ContiguousBuilder(config, {})
+    names = [spec.name for spec in op.inputs]
+    out = CONTIGUOUS.emit(builder, op, names, example.attrs)
+    outs = [f"out_{i}" for i in range(len(op.outputs))]
+    for value, name in zip([out] if isinstance(out, str) else out, outs):
+        builder.n.rename(value, name)
+    infos = [helper.make_tensor_value_info(k, _NP_TO_ONNX[v.dtype], list(v.shape)) for k, v in inputs.items()]
+    graph = helper.make_graph(builder.n.nodes, op.key, infos,
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+    session = ort.InferenceSession(_model(graph, []).SerializeToString(), providers=["CPUExecutionProvider"])
+    used = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v for k, v in inputs.items() if k in used}), expected
+
+
+def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
+    import mindspore as ms
+
+    from exporter.mindspore.builder import MindSporeTarget
+    from exporter.mindspore.cpu_ops import MINDSPORE_CPU
+    from kernels.build import library_path
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    cell = MINDSPORE_CPU.body(op)(op.attrs(**example.attrs), MindSporeTarget("cpu", library=library_path()))
+    tensors = [None if x is None else ms.Tensor(x.copy()) for x in example.inputs]
+    out = cell(*tensors)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    for output, written in op.writes:  # read the written pools themselves: the write is in place
+        outs[output] = tensors[written]
+    return [o.asnumpy() for o in outs]
+
+
+def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
+    import mindspore as ms
+
+    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from exporter.mindspore.builder import MindSporeTarget
+    from exporter.mindspore.readback import read_ops
+
+    attrs = op.attrs(**example.attrs)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    cell = MINDSPORE_ASCEND.body(op)(attrs, MindSporeTarget("ascend", multi_query=True))
+    inputs = [None if x is None else x.astype(np.float16) if x.dtype == np.float32 else x for x in example.inputs]
+    if op in (ops.RESHAPE_AND_CACHE, ops.PAGED_ATTENTION):  # ATB's pool layout [blocks, block_size, kv_heads, D]
+        pools = (2, 3) if op is ops.RESHAPE_AND_CACHE else (1, 2)
+        block, kv_heads = (16, 1) if op is ops.RESHAPE_AND_CACHE else (attrs.block_size, attrs.kv_head_num)
+        for i in pools:
+            inputs[i] = inputs[i].reshape(-1, block, kv_heads, inputs[i].shape[1] // kv_heads)
+    path = tmp_path / op.key
+    ms.export(cell, *(None if x is None else ms.Tensor(x) for x in inputs), file_name=str(path), file_format="MINDIR")
+    assert read_ops(path.with_suffix(".mindir")), "the exported graph holds no primitive"
+
+
+def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
+    from kernels.binding import KERNELS
+
+    out = KERNELS.body(op)([None if x is None else x.copy() for x in example.inputs], op.attrs(**example.attrs))
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@pytest.mark.parametrize("lowering,op,example", list(_cases()))
+def test_body_equals_reference(lowering: str, op: Op, example: Example, tmp_path: Path,
+                               request: pytest.FixtureRequest) -> None:
+    attrs = op.attrs(**example.attrs)
+    op.check(example.inputs, op.run_reference(example.inputs, attrs), attrs)  # the example fits the declaration
+    expected = op.run_reference(example.inputs, attrs)
+    runners: dict[str, Callable[[], Any]] = {
+        "onnx": lambda: _run_onnx(op, example),
+        "onnxruntime-custom": lambda: _run_onnx(op, example, request.getfixturevalue("custom_op_library"),
+                                                tmp_path / "profile"),
+        "mindspore-cpu": lambda: _run_mindspore_cpu(op, example),
+        "kernels": lambda: _run_kernels(op, example),
+    }
+    if lowering == "mindspore-ascend":
+        _export_mindspore_ascend(op, example, tmp_path)
+        return
+    if lowering == "contiguous":
+        got, expected = _contiguous(op, example)
+    else:
+        got = runners[lowering]()
+    assert len(got) == len(expected), f"{lowering} gave {len(got)} outputs, the reference {len(expected)}"
+    for i, (g, want) in enumerate(zip(got, expected)):
+        assert g.shape == want.shape, f"output {i}: {g.shape} vs the reference's {want.shape}"
+        np.testing.assert_allclose(g, want, atol=example.atol, rtol=example.rtol, err_msg=f"output {i}")
+
+
+def test_every_lowering_has_a_body_for_every_op() -> None:
+    assert registry_report() == {}
+
+
+def test_every_op_has_examples_that_fit_its_declaration() -> None:
+    for op in OPS:
+        examples = list(op.examples())
+        assert examples, f"{op.key} has no examples: the walk cannot check it"
+        for example in examples:
+            attrs = op.attrs(**example.attrs)
+            op.check(example.inputs, op.run_reference(example.inputs, attrs), attrs)
+
+
+def test_design_doc_table_is_current() -> None:
+    doc = (REPO / "docs" / "design.md").read_text()
+    assert BEGIN in doc and END in doc
+    assert with_table(doc) == doc, "docs/design.md's op table is stale: python -m exporter.lowerings --write docs/design.md"
+
+
+def test_declarations_reject_wrong_attributes_and_shapes() -> None:
+    """The errors a lowering or the model gets name the op, the field and what it takes."""
+    with pytest.raises(TypeError, match=r"PagedAttention takes attributes .*missing \['head_dim'\]"):
+        ops.PAGED_ATTENTION.attrs(head_num=4, kv_head_num=2, qk_scale=0.3, block_size=16)
+    with pytest.raises(TypeError, match=r"RmsNorm.epsilon = 'x': expected <class 'float'>"):
+        ops.RMS_NORM.attrs(epsilon="x")
+    example = next(ops.PAGED_ATTENTION.examples())
+    attrs = dataclasses.replace(ops.PAGED_ATTENTION.attrs(**example.attrs), head_dim=16)
+    with pytest.raises(ValueError, match=r"PagedAttention: query has shape .* with head_num \* head_dim = 64"):
+        ops.PAGED_ATTENTION.check(example.inputs, [], attrs)
+    with pytest.raises(TypeError, match="PagedAttention: input cu_seqlens_q is required"):
+        ops.PAGED_ATTENTION.arguments(example.inputs[:5])
