@@ -20,6 +20,7 @@ from runtime.sampler import Sampler, top_logprobs
 from runtime.sampling_params import RequestError, SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SequenceStatus
+from runtime.structured_output import GrammarCompiler, StructuredOutputs
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = Union[str, Seq[int], Mapping[str, Any]]
@@ -159,6 +160,8 @@ class LLMEngine:
         self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
         self.custom_ops_setting = config.custom_ops
         self.executor_name = config.executor
+        self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.model.vocab_size))
+        self.sampler.add(self.structured)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
@@ -214,6 +217,8 @@ class LLMEngine:
         if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.perf_counter())
+        if params.structured_output is not None:  # compiled (or found cached) here: a bad one queues nothing
+            self.structured.start(seq)
         self._groups[request_id] = [seq]
         self._detok[seq] = self.tokenizer.detokenizer(skip_special_tokens=True)
         self.scheduler.add(seq)
@@ -336,6 +341,10 @@ class LLMEngine:
         seq.token_ids.append(token)
         self.stats.generated += 1
         params = seq.params
+        grammar = self.structured.state(seq) if params.structured_output is not None else None
+        if grammar is not None and grammar.error is not None:
+            seq.error = grammar.error
+            return self._finish(seq, "error")
         # Before min_tokens the sampler masks EOS and stop_token_ids, and stop strings do not count (as in vLLM).
         if (token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)) \
                 and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
@@ -349,6 +358,8 @@ class LLMEngine:
                 if at >= 0:
                     seq.text = seq.text[:at]
                     return self._finish(seq, "stop", flush=False)
+        if grammar is not None and grammar.complete:  # nothing but EOS could follow
+            return self._finish(seq, "stop")
         if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from runtime.constraints import Constraint, ConstraintError
+
 # OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -40,6 +42,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # top-k logprobs reported per sampled token
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM's field); the first token has none
+    structured_output: Constraint | None = None  # the output must match it (runtime/structured_output.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +50,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if isinstance(self.structured_output, dict):  # vLLM's StructuredOutputsParams fields (JSONL, Python API)
+            try:
+                object.__setattr__(self, "structured_output", Constraint.from_vllm(self.structured_output,
+                                                                                   "structured_output"))
+            except ConstraintError as exc:
+                raise RequestError(exc.field, exc.problem) from None
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             ("temperature", _number(self.temperature) and 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
@@ -73,6 +82,8 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or (
                 isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "must be an integer in [0, 20]"),
+            ("structured_output", self.structured_output is None or isinstance(self.structured_output, Constraint),
+             "must be a Constraint or vLLM's structured_outputs fields ({\"json\": schema}, {\"regex\": ...}, ...)"),
         ]
         for name, ok, rule in checks:
             if not ok:
