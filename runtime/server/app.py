@@ -278,8 +278,11 @@ class Frontend:
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs are answered whole, not streamed: drop stream or prompt_logprobs",
+                           param="prompt_logprobs")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
-        fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo)
+        fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo, body.prompt_logprobs is not None)
         return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs,
                                    prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
 

@@ -89,11 +89,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt's text before the completion's (with logprobs: the prompt tokens' too)
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's field: top-k logprobs per prompt token, in each choice
 
     def sampling(self) -> dict[str, Any]:
-        """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does."""
-        echoed = {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
-        return {**super().sampling(), **echoed}
+        """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does; with
+        prompt_logprobs too, the prompt entries carry the larger of the two top-k counts."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return {**super().sampling(), **({"prompt_logprobs": max(wanted)} if wanted else {})}
 
 
 class TextPart(BaseModel):

@@ -79,18 +79,31 @@ class CompletionFormat(Format):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, echo: str = "") -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, echo: str = "",
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(model, tokenizer, top_logprobs)
         self.echo = echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         body = super().response(out)
         prompt = self._prompt_logprobs(out) if self.echo else None
+        vllm = self._vllm_prompt_logprobs(out) if self.prompt_logprobs else None
         for choice in body["choices"]:
             choice["text"] = self.echo + choice["text"]
             if prompt is not None and choice["logprobs"] is not None:
                 choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
+            if self.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm
         return body
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": self.token(t)[0]} for t, lp in e.items()}
+                for e in out.prompt_logprobs]
 
     def _prompt_logprobs(self, out: RequestOutput) -> dict[str, list[Any]] | None:
         """The prompt's tokens in the completion logprobs shape; the first token has none (no prefix)."""
