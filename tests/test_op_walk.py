@@ -122,7 +122,7 @@ def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.nd
     infos = [helper.make_tensor_value_info(k, _NP_TO_ONNX[v.dtype], list(v.shape)) for k, v in inputs.items()]
     graph = helper.make_graph(builder.n.nodes, op.key, infos,
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
-    session = ort.InferenceSession(_model(graph, []).SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(_model(graph, builder).SerializeToString(), providers=["CPUExecutionProvider"])
     used = {i.name for i in session.get_inputs()}
     return session.run(None, {k: v for k, v in inputs.items() if k in used}), expected
 
@@ -229,3 +229,19 @@ def test_declarations_reject_wrong_attributes_and_shapes() -> None:
         ops.PAGED_ATTENTION.check(example.inputs, [], attrs)
     with pytest.raises(TypeError, match="PagedAttention: input cu_seqlens_q is required"):
         ops.PAGED_ATTENTION.arguments(example.inputs[:5])
+
+
+def test_registry_check_names_missing_bodies_and_refusals() -> None:
+    """A lowering without a body for an op is reported; one that refuses an op on purpose shows why instead."""
+    from graphs.ops.op import Lowering, body_table, missing_bodies
+
+    partial = Lowering("new-target", "exporter/new_target.py", {op: object() for op in OPS if op is not ops.ROPE})
+    assert missing_bodies(OPS, [partial]) == {"new-target": ["Rope"]}
+    with pytest.raises(NotImplementedError, match=r"new-target has no body for Rope: register one in "
+                                                   r"exporter/new_target.py"):
+        partial.body(ops.ROPE)
+    partial.refuse(ops.ROPE, "no rotary kernel on this target")
+    assert missing_bodies(OPS, [partial]) == {}
+    assert "| `Rope` | RopeOperation | no: no rotary kernel on this target |" in body_table(OPS, [partial])
+    with pytest.raises(NotImplementedError, match="new-target cannot run Rope: no rotary kernel"):
+        partial.body(ops.ROPE)

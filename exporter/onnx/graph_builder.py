@@ -8,14 +8,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from exporter.onnx.lowering import ONNX, OnnxBody, OnnxGraph
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET
 from graphs import contract as c
 from graphs.config import ModelConfig
 from graphs.ops.op import Lowering, Op
 
 IR_VERSION = 10
-_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
-               np.dtype(np.int32): TensorProto.INT32}
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
+               np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8}
 
 
 class OnnxBuilder(OnnxGraph):
@@ -63,14 +63,14 @@ class OnnxBuilder(OnnxGraph):
             self.n.rename(value, output_name)
         initializers = [numpy_helper.from_array(self.weights[w], w) for w in self.used_weights]
         graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs, initializers)
-        return _model(graph, self.functions.values())
+        return _model(graph, self)
 
 
-def _model(graph: onnx.GraphProto, functions: Any) -> onnx.ModelProto:
+def _model(graph: onnx.GraphProto, built: OnnxGraph) -> onnx.ModelProto:
     return helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(ATB_DOMAIN, 1)],
-        functions=[f.proto() for f in functions],
+        opset_imports=[helper.make_opsetid(domain, version) for domain, version in built.opsets.items()],
+        functions=[f.proto() for f in built.functions.values()],
         ir_version=IR_VERSION,
         producer_name="pagedgraph",
     )
@@ -93,4 +93,4 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
              for name, x in zip(names, inputs) if x is not None]
     outs = [helper.make_tensor_value_info(o, _NP_TO_ONNX[np.dtype(t.dtypes[0])], [f"{o}_{i}" for i in range(len(t.shape))])
             for o, t in zip(out_names, specs)]
-    return _model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder.functions.values())
+    return _model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)

@@ -22,11 +22,15 @@ from graphs.ops.op import Attributes, Lowering, Op
 
 
 class OnnxGraph:
-    """What a body writes into: the graph's nodes and the model-local functions they call."""
+    """What a body writes into: the graph's nodes, the model-local functions they call, the opsets they use.
+
+    A body emitting a contrib op adds its domain: `g.opsets.setdefault("com.microsoft", 1)`.
+    """
 
     def __init__(self) -> None:
         self.n = Nodes(prefix="n")
         self.functions: dict[str, Function] = {}
+        self.opsets: dict[str, int] = {"": OPSET, ATB_DOMAIN: 1}
 
     def use_function(self, function: "Function") -> None:
         self.functions.setdefault(function.op.key, function)

@@ -198,6 +198,7 @@ class Lowering(Generic[B]):
         self.fallback = fallback
         self.partial = partial
         self.bodies: dict[str, B] = {}
+        self.unsupported: dict[str, str] = {}  # op key -> why this target cannot run it
         for op, body in (bodies or {}).items():
             self.register(op)(body)
 
@@ -214,6 +215,12 @@ class Lowering(Generic[B]):
             return body
         return add
 
+    def refuse(self, op: Op, why: str) -> None:
+        """Say on purpose that this target has no body for `op` (a variant it cannot run), and why."""
+        if op.key in self.bodies:
+            raise ValueError(f"{self.name} has a body for {op.key}: it cannot also refuse it")
+        self.unsupported[op.key] = why
+
     def own(self, op: Op) -> B | None:
         return self.bodies.get(op.key)
 
@@ -222,6 +229,8 @@ class Lowering(Generic[B]):
         found = self.bodies.get(op.key)
         if found is not None:
             return found
+        if op.key in self.unsupported:
+            raise NotImplementedError(f"{self.name} cannot run {op.key}: {self.unsupported[op.key]}")
         if isinstance(self.fallback, Lowering):
             return self.fallback.body(op)
         raise NotImplementedError(f"{self.name} has no body for {op.key}: register one in {self.where} "
@@ -234,6 +243,8 @@ class Lowering(Generic[B]):
 
 def missing_bodies(ops: Iterable[Op], lowerings: Iterable[Lowering[Any]]) -> dict[str, list[str]]:
     """Lowering name -> the op keys it has no body for, its own or its fallback's (the registry check).
+
+    An op a lowering `refuse`s (with its reason) is not missing: the table shows the reason.
 
     A fallback named by a string (the custom ops, which cannot import the exporter) is looked up among `lowerings`.
     """
@@ -252,7 +263,7 @@ def missing_bodies(ops: Iterable[Op], lowerings: Iterable[Lowering[Any]]) -> dic
 def _provider(lowering: Lowering[Any], op: Op, by_name: Mapping[str, Lowering[Any]]) -> Lowering[Any] | None:
     """The lowering whose body runs `op` for `lowering`: itself, or along its fallbacks; None if none has one."""
     while lowering is not None:
-        if op.key in lowering.bodies:
+        if op.key in lowering.bodies or op.key in lowering.unsupported:
             return lowering
         fallback = lowering.fallback
         lowering = by_name.get(fallback) if isinstance(fallback, str) else fallback
@@ -267,6 +278,8 @@ def body_table(ops: Iterable[Op], lowerings: Sequence[Lowering[Any]]) -> str:
         provider = _provider(lowering, op, by_name)
         if provider is None:
             return "-" if lowering.partial else "**missing**"
+        if op.key in provider.unsupported:
+            return f"no: {provider.unsupported[op.key]}"
         return "own" if provider is lowering else f"{provider.name}'s"
     lines = ["| op | ATB | " + " | ".join(lw.name for lw in lowerings) + " |",
              "|---|---|" + "---|" * len(lowerings)]
