@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "common.h"
 #include "kernels.h"
 
 namespace {
@@ -30,10 +31,19 @@ int check_dtypes(const char *op, const char **dtypes, std::initializer_list<cons
   return 0;
 }
 
-pg_attention_dims attention_dims(void **params, int dims_at, int64_t query_width) {
+// The attention dims from the constant inputs: int64 dims (head_num, kv_head_num, ..., head_dim last,
+// `with_head_dim`; graphs exported before head_dim travelled have none: then from the query's width) and
+// the float32 scale. Returns non-zero, with the error recorded, when head_dim and the query disagree.
+int attention_dims(void **params, int64_t **shapes, int dims_at, bool with_head_dim, pg_attention_dims &out) {
   const int64_t *dims = static_cast<const int64_t *>(params[dims_at]);
   const float scale = *static_cast<const float *>(params[dims_at + 1]);
-  return pg_attention_dims{dims[0], dims[1], dims[0] > 0 ? query_width / dims[0] : 0, scale};
+  const int64_t width = shapes[0][1];
+  const int64_t head_dim = with_head_dim ? dims[shapes[dims_at][0] - 1] : dims[0] > 0 ? width / dims[0] : 0;
+  if (dims[0] * head_dim != width)
+    return pg::fail("query width " + std::to_string(width) + " is not head_num " + std::to_string(dims[0]) +
+                   " * head_dim " + std::to_string(head_dim));
+  out = pg_attention_dims{dims[0], dims[1], head_dim, scale};
+  return 0;
 }
 
 }  // namespace
@@ -50,27 +60,31 @@ int ReshapeAndCache(int, void **params, int *, int64_t **shapes, const char **dt
 }
 
 // query [T, H*D], k/v_cache [S, KV*D], block_tables [B, M], context_lens [B], cu_seqlens_q [B+1],
-// dims int64 [head_num, kv_head_num, block_size], scale float32 [1] -> out [T, H*D].
+// dims int64 [head_num, kv_head_num, block_size, head_dim] (older graphs: no head_dim), scale float32 [1]
+// -> out [T, H*D].
 int PagedAttention(int, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
   if (check_dtypes("PagedAttention", dtypes,
                    {"float32", "float32", "float32", "int32", "int32", "int32", "int64", "float32"}))
     return 1;
   const int64_t block_size = static_cast<const int64_t *>(params[6])[2];
+  pg_attention_dims dims;
+  if (attention_dims(params, shapes, 6, shapes[6][0] > 3, dims)) return 1;
   return pg_paged_attention(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                             static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
                             static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
                             static_cast<float *>(params[8]), shapes[0][0], shapes[3][0], shapes[3][1], shapes[1][0],
-                            attention_dims(params, 6, shapes[0][1]), block_size, nullptr);
+                            dims, block_size, nullptr);
 }
 
-// query [T, H*D], key/value [T, KV*D], cu_seqlens_q [B+1], dims int64 [head_num, kv_head_num],
-// scale float32 [1] -> out [T, H*D].
+// query [T, H*D], key/value [T, KV*D], cu_seqlens_q [B+1], dims int64 [head_num, kv_head_num, head_dim]
+// (older graphs: no head_dim), scale float32 [1] -> out [T, H*D].
 int SelfAttention(int, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
   if (check_dtypes("SelfAttention", dtypes, {"float32", "float32", "float32", "int32", "int64", "float32"})) return 1;
+  pg_attention_dims dims;
+  if (attention_dims(params, shapes, 4, shapes[4][0] > 2, dims)) return 1;
   return pg_self_attention(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                            static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
-                           static_cast<float *>(params[6]), shapes[0][0], shapes[3][0] - 1,
-                           attention_dims(params, 4, shapes[0][1]), nullptr);
+                           static_cast<float *>(params[6]), shapes[0][0], shapes[3][0] - 1, dims, nullptr);
 }
 
 }  // extern "C"

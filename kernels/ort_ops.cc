@@ -122,25 +122,32 @@ void ort_parallel_for(void *pool, void (*body)(void *ctx, size_t item), void *ct
 
 pg_runner runner_of(OrtKernelContext *context) { return {ort_parallel_for, context}; }
 
-// head_num, kv_head_num, qk_scale: the attention ops' shared attributes, read once per node. head_dim
-// comes from the query's width per call (as mindspore_aot.cc does): artifacts exported before head_dim
-// was an attribute have none, and the cache shapes are checked against it anyway.
+// head_num, kv_head_num, head_dim, qk_scale: the attention ops' attributes, read once per node, as every
+// lowering gets them. Artifacts exported before head_dim was an attribute have none: head_dim is then 0
+// here and taken from the query's width per call.
 OrtStatus *read_dims(const OrtKernelInfo *info, pg_attention_dims &dims) {
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "head_num", &dims.head_num));
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_head_num", &dims.kv_head_num));
   RETURN_IF_ERROR(api->KernelInfoGetAttribute_float(info, "qk_scale", &dims.qk_scale));
+  if (OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "head_dim", &dims.head_dim)) {
+    api->ReleaseStatus(absent);
+    dims.head_dim = 0;
+  }
   if (dims.head_num <= 0 || dims.kv_head_num <= 0 || dims.head_num % dims.kv_head_num)
     return invalid("head_num " + std::to_string(dims.head_num) + ", kv_head_num " + std::to_string(dims.kv_head_num) +
                    ": both must be positive, head_num a multiple of kv_head_num");
   return nullptr;
 }
 
-// `dims` with head_dim = the query's width / head_num; the query must be [tokens, head_num * head_dim].
+// `dims` with its head_dim checked against (or, without the attribute, taken from) the query's width:
+// the query must be [tokens, head_num * head_dim].
 OrtStatus *with_head_dim(pg_attention_dims dims, const Shape &query, pg_attention_dims &out) {
-  if (query.size() != 2 || query[1] % dims.head_num)
+  const bool fits = query.size() == 2 && (dims.head_dim ? query[1] == dims.head_num * dims.head_dim
+                                                        : query[1] % dims.head_num == 0);
+  if (!fits)
     return invalid("query has shape " + shape_text(query) + ", expected [tokens, head_num * head_dim] with head_num " +
-                   std::to_string(dims.head_num));
-  dims.head_dim = query[1] / dims.head_num;
+                   std::to_string(dims.head_num) + (dims.head_dim ? ", head_dim " + std::to_string(dims.head_dim) : ""));
+  if (!dims.head_dim) dims.head_dim = query[1] / dims.head_num;
   out = dims;
   return nullptr;
 }

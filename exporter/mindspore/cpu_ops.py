@@ -86,7 +86,8 @@ class PagedAttention(nn.Cell):
         super().__init__()
         self.kernel = _kernel(target.library, "PagedAttention", head_num=attrs.head_num,
                               kv_head_num=attrs.kv_head_num, qk_scale=attrs.qk_scale, block_size=attrs.block_size)
-        self.dims = Tensor(np.array([attrs.head_num, attrs.kv_head_num, attrs.block_size], np.int64))
+        dims = [attrs.head_num, attrs.kv_head_num, attrs.block_size, attrs.head_dim]  # head_dim last: AOT reads it so
+        self.dims = Tensor(np.array(dims, np.int64))
         self.scale = Tensor(np.array([attrs.qk_scale], np.float32))
 
     def construct(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
@@ -98,7 +99,7 @@ class SelfAttention(nn.Cell):
         super().__init__()
         self.kernel = _kernel(target.library, "SelfAttention", head_num=attrs.head_num,
                               kv_head_num=attrs.kv_head_num, qk_scale=attrs.qk_scale)
-        self.dims = Tensor(np.array([attrs.head_num, attrs.kv_head_num], np.int64))
+        self.dims = Tensor(np.array([attrs.head_num, attrs.kv_head_num, attrs.head_dim], np.int64))
         self.scale = Tensor(np.array([attrs.qk_scale], np.float32))
 
     def construct(self, query, key, value, cu_seqlens_q):

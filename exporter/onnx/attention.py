@@ -66,9 +66,10 @@ def _block_views(n: Nodes, h: "_Heads") -> list[str]:
 def _when(n: Nodes, condition: str, width: str, branch: Callable[[Nodes], str]) -> str:
     """`branch`'s [rows, width] output if `condition` ([1] bool) holds, else [0, width], its nodes not run.
 
-    Empty groups are common (a decode step has no prefill chunks, B=1 one decode group): a B=1
-    step launches ~1,800 kernels instead of ~2,550. `branch` emits only data ops into the Nodes it
-    gets; shapes and indices stay outside, where CSE shares them across layers.
+    Empty groups are common (a decode step has no prefill chunks, B=1 one decode group): skipping
+    them saves about a third of a B=1 step's kernel launches (docs/performance.md, change 6). `branch`
+    emits only data ops into the Nodes it gets; shapes and indices stay outside, where CSE shares them
+    across layers.
     """
     then = Nodes(prefix=n.fresh("then_"))
     result = branch(then)
