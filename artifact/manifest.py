@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,17 @@ class Manifest:
     families: dict[str, Family]
     files: dict[str, str]  # relative path -> sha256
     export_config: dict[str, Any] = field(default_factory=dict)
+    # Sampling defaults for requests that leave a field out, and where each came from (the checkpoint's
+    # generation_config.json or the export YAML): {"temperature": {"value": 0.2, "source": "..."}}.
+    generation_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    exported_with: dict[str, str] = field(default_factory=dict)  # package -> version, for `pagedgraph inspect`
     format_version: int = FORMAT_VERSION
     op_set_version: int = OP_SET_VERSION
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The generation defaults' values, under SamplingParams' names."""
+        return {name: entry["value"] for name, entry in self.generation_defaults.items()}
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -48,9 +58,9 @@ class Manifest:
     @classmethod
     def load(cls, artifact: Path, verify: bool = True) -> "Manifest":
         path = Path(artifact) / MANIFEST
-        redo = f"re-export it with `pagedgraph export --config <export.yaml> --out {artifact}`"
         if not path.is_file():
-            raise ArtifactError(f"{artifact} is not a pagedgraph artifact (no {MANIFEST}); {redo}")
+            raise ArtifactError(not_an_artifact(Path(artifact)))
+        redo = re_export_hint(Path(artifact))
         try:
             data = json.loads(path.read_text())
             manifest = cls(
@@ -62,6 +72,8 @@ class Manifest:
                           for name, f in data["families"].items()},
                 files=dict(data["files"]),
                 export_config=data.get("export_config", {}),
+                generation_defaults=dict(data.get("generation_defaults", {})),
+                exported_with=dict(data.get("exported_with", {})),
                 format_version=int(data["format_version"]),
                 op_set_version=int(data["op_set_version"]),
             )
@@ -78,6 +90,55 @@ class Manifest:
                 if file_sha256(Path(artifact) / rel) != digest:
                     raise ArtifactError(f"{artifact}/{rel} is corrupted (checksum mismatch); {redo}")
         return manifest
+
+
+def re_export_hint(artifact: Path) -> str:
+    """The command that rebuilds a damaged or outdated artifact in place, from the config it was made with."""
+    config = artifact / "export_config.json"
+    given = shlex.quote(str(config)) if config.is_file() else "<export.yaml>"
+    return f"re-export it with `pagedgraph export --config {given} --out {shlex.quote(str(artifact))}`"
+
+
+CHECKPOINT = "<checkpoint>: a Hugging Face checkpoint directory or a .gguf file"
+
+
+def not_an_artifact(path: Path) -> str:
+    """Why `path` is no artifact, with an export command that is safe to run as written (it never writes into
+    `path` unless `path` is missing or empty, so a checkpoint or a config folder is never overwritten)."""
+    quoted = shlex.quote(str(path))
+    if not path.exists():
+        return (f"{path} does not exist; export an artifact there with "
+                f"`pagedgraph export --model <checkpoint> --out {quoted}` ({CHECKPOINT})")
+    if (path.is_file() and path.suffix.lower() == ".gguf") or (path / "config.json").is_file():
+        kind = "a GGUF file" if path.is_file() else "a Hugging Face checkpoint"
+        return (f"{path} is {kind}, not a pagedgraph artifact; export it first: `pagedgraph export --model {quoted} "
+                f"--out {shlex.quote(str(fresh_sibling(path)))}`, then pass that --out directory")
+    if path.is_file():
+        return f"{path} is a file, not a pagedgraph artifact directory (one holding {MANIFEST})"
+    held = contents(path)
+    if not held:
+        return (f"{path} is an empty directory, not a pagedgraph artifact; export one into it with "
+                f"`pagedgraph export --model <checkpoint> --out {quoted}` ({CHECKPOINT})")
+    return (f"{path} is not a pagedgraph artifact (no {MANIFEST}; it holds {held}); export one into a new "
+            f"directory: `pagedgraph export --model <checkpoint> --out {shlex.quote(str(fresh_sibling(path)))}` "
+            f"({CHECKPOINT})")
+
+
+def contents(directory: Path, shown: int = 4) -> str:
+    """A few of the entries in `directory`, for messages ("" when it is empty)."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def fresh_sibling(path: Path) -> Path:
+    """A path next to `path` that does not exist yet: a safe --out to suggest."""
+    base = path.parent / f"{path.stem if path.is_file() else path.name}-pagedgraph"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def file_sha256(path: Path) -> str:

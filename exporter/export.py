@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from typing import Callable, Iterable, TextIO
 import numpy as np
 import onnx
 
-from artifact.manifest import MANIFEST, Family, Manifest, file_sha256
+from artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling
 from artifact.mindir import INDEX as MINDIR_INDEX
 from artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from exporter.buckets import plan_gears
@@ -34,6 +35,10 @@ WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must sta
 NAIVE_GRAPH = "graphs/naive.onnx"  # export.baseline: naive; reads WEIGHTS, stores none of its own
 
 
+class ExportTargetError(ValueError):
+    """An --out that export must not write to; nothing was changed."""
+
+
 @dataclass(frozen=True)
 class GearReport:
     family: str
@@ -41,14 +46,24 @@ class GearReport:
     seconds: float
 
 
-def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None) -> Manifest:
-    """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind."""
+def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None, force: bool = False,
+           verbose: bool = False) -> Manifest:
+    """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind.
+
+    `out_dir` must be a new path, an empty directory or an artifact (see `check_out_dir`).
+    """
     log = log or sys.stderr
     out_dir = Path(out_dir)
+    check_out_dir(out_dir, config.model.source, force)
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)
     checkpoint = read_checkpoint(config.model.source)
     model = checkpoint.config
+    positions = model.max_position_embeddings
+    if "max_model_len" not in config.export.model_fields_set and positions < config.export.max_model_len:
+        # Left out, export.max_model_len is at most what the model was trained for (as vLLM derives it).
+        print(f"export.max_model_len: {positions} (the model's max_position_embeddings)", file=log)
+        config = config.model_copy(update={"export": config.export.model_copy(update={"max_model_len": positions})})
     options = config.export
     gears = plan_gears(model, options)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -72,15 +87,56 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None)
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
             families={name: Family(GRAPH if "onnx" in options.formats else MINDIR_INDEX, family_gears)
                       for name, family_gears in gears.items()},
-            files=files, export_config=config.model_dump(mode="json"))
+            files=files, export_config=config.model_dump(mode="json"),
+            generation_defaults={name: {"value": value, "source": checkpoint.generation_source}
+                                 for name, value in checkpoint.generation_defaults.items()},
+            exported_with=_versions())
         (staging / MANIFEST).write_text(manifest.to_json())
         reports = _verify_gears(staging, manifest, log) if options.verify_gears and "onnx" in options.formats else []
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _summary(out_dir, manifest, reports, time.perf_counter() - started, log)
+    _summary(out_dir, manifest, reports, time.perf_counter() - started, log, verbose)
     return manifest
+
+
+def check_out_dir(out_dir: Path, source: str, force: bool = False) -> None:
+    """Export writes only to a new path, an empty directory or an artifact: never over anything else, so a
+    checkpoint, a config folder or a user's notes can never be lost. Replacing an artifact exported from
+    another checkpoint needs `force`; re-exporting the same one does not."""
+    if not out_dir.exists():
+        return
+    elsewhere = f"choose a new directory, e.g. `--out {shlex.quote(str(fresh_sibling(out_dir)))}`"
+    if not out_dir.is_dir():
+        raise ExportTargetError(f"--out {out_dir} is a file, not a directory; nothing was changed; {elsewhere}")
+    if (out_dir / MANIFEST).is_file():
+        previous = _exported_from(out_dir)
+        if previous is not None and not _same_source(previous, source) and not force:
+            raise ExportTargetError(f"--out {out_dir} holds an artifact exported from {previous}, not from {source}; "
+                                    f"nothing was changed; add --force to replace it, or {elsewhere}")
+        return
+    held = contents(out_dir)
+    if held:
+        raise ExportTargetError(f"--out {out_dir} is not empty and not a pagedgraph artifact (it holds {held}); "
+                                f"export never writes over other files, with or without --force, and nothing was "
+                                f"changed; {elsewhere}")
+
+
+def _exported_from(artifact: Path) -> str | None:
+    """The model.source an artifact was exported from (None when its manifest does not say)."""
+    try:
+        source = json.loads((artifact / MANIFEST).read_text())["export_config"]["model"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
+def _same_source(a: str, b: str) -> bool:
+    def canonical(source: str) -> str:
+        return source if source == "default" else str(Path(source).expanduser().resolve())
+
+    return canonical(a) == canonical(b)
 
 
 def _move_into_place(staging: Path, out_dir: Path) -> None:
@@ -151,19 +207,51 @@ def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
     return reports
 
 
-def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: float, log: TextIO) -> None:
-    """One row per bucket: its shapes, the graph it runs (size) and, if verified, how long one run took."""
+def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: float, log: TextIO,
+             verbose: bool) -> None:
+    """A few lines per bucket family; with `verbose`, one row per gear (the full table is the manifest's)."""
     size = {rel: (out / rel).stat().st_size for rel in manifest.files}
-    timed = {(r.family, r.gear): r.seconds for r in reports}
-    print(f"\n{'bucket':30} {'input_ids':>10} {'block_tables':>13} {'graph':>24} {'verify':>8}", file=log)
+    print("", file=log)
     for family, spec in manifest.families.items():
-        for g in spec.gears:
-            run = timed.get((family, g))
-            print(f"{family + f' T={g.tokens} B={g.seqs} M={g.blocks}':30} {f'[{g.tokens}]':>10} "
-                  f"{f'[{g.seqs},{g.blocks}]':>13} {f'{spec.graph} {size[spec.graph] / 1e6:.2f}MB':>24} "
-                  f"{f'{run:.2f}s' if run is not None else '-':>8}", file=log)
+        print(f"{family_summary(family, spec.gears)}; graph {spec.graph} {size[spec.graph] / 1e6:.2f} MB", file=log)
+    if verbose:
+        timed = {(r.family, r.gear): r.seconds for r in reports}
+        print(f"\n{'bucket':30} {'input_ids':>10} {'block_tables':>13} {'verify':>8}", file=log)
+        for family, spec in manifest.families.items():
+            for g in spec.gears:
+                run = timed.get((family, g))
+                print(f"{family + f' T={g.tokens} B={g.seqs} M={g.blocks}':30} {f'[{g.tokens}]':>10} "
+                      f"{f'[{g.seqs},{g.blocks}]':>13} {f'{run:.2f}s' if run is not None else '-':>8}", file=log)
     print(f"weights {(size.get(WEIGHTS) or size[MINDIR_WEIGHTS]) / 1e6:.1f} MB stored once for all "
-          f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s",
+          f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s "
+          f"(every gear: `pagedgraph inspect --artifact {shlex.quote(str(out))} --gears`, or export with --verbose)",
           file=log)
 
 
+def family_summary(family: str, gears: Iterable[Gear]) -> str:
+    """`prefill: 72 gears, T 32 64 128 ... 1792 2048 (12) x B 64 x M 1 2 4 ... 64 128 (6)`: a family's ladders."""
+    gears = tuple(gears)
+
+    def ladder(values: set[int]) -> str:
+        shown = [str(v) for v in sorted(values)]
+        count = f" ({len(shown)})" if len(shown) > 1 else ""
+        return " ".join(shown if len(shown) <= 6 else shown[:3] + ["..."] + shown[-2:]) + count
+
+    decode_like = all(g.tokens == g.seqs for g in gears)  # one token per sequence: T is B
+    axes = " x ".join(f"{name} {ladder({getattr(g, attr) for g in gears})}"
+                      for name, attr in (("T", "tokens"), ("B", "seqs"), ("M", "blocks"))
+                      if not (decode_like and name == "T"))
+    return f"{family}: {len(gears)} gears, {axes}"
+
+
+def _versions() -> dict[str, str]:
+    """The packages that made the artifact, for `pagedgraph inspect`."""
+    from importlib import metadata
+
+    found = {}
+    for package in ("pagedgraph", "onnx", "onnxruntime", "mindspore", "numpy"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return found

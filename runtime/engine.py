@@ -17,7 +17,7 @@ from runtime.packer import Packer
 from runtime.logits_processors import Penalties
 from runtime.prompt_logprobs import PromptLogprobs, prompt_logprob_entries
 from runtime.sampler import Sampler, top_logprobs
-from runtime.sampling_params import RequestError, SamplingParams
+from runtime.sampling_params import RequestError, SamplingParams, resolve_max_tokens
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SequenceStatus
 from runtime.structured_output import GrammarCompiler, StructuredOutputs
@@ -162,6 +162,8 @@ class LLMEngine:
         self.executor_name = config.executor
         self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.model.vocab_size))
         self.sampler.add(self.structured)
+        # What a request without SamplingParams gets: the model's generation defaults (manifest), else ours.
+        self.default_params = SamplingParams.from_defaults(self.manifest.sampling_defaults)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
@@ -192,7 +194,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     arrival: float | None = None) -> Sequence:
         """Validate and queue a request; raises RequestError (nothing queued) if it cannot be served."""
-        params = params or SamplingParams()
+        params = params or self.default_params
         ids = self.prompt_token_ids(prompt)
         if not ids:
             raise RequestError("prompt", "is empty")
@@ -202,8 +204,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise RequestError("prompt", f"{len(ids)} tokens; the model's max_model_len is {self.max_model_len}, "
                                          f"so prompts must be at most {self.max_model_len - 1} tokens")
+        params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), self.max_model_len))
         # Whole sequence, so one running alone always fits and preemption can never deadlock.
-        needed = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.kv.block_size)
+        needed = -(-(len(ids) + params.max_tokens) // self.kv.block_size)
         if needed > self.kv.pool.num_blocks - 1:
             raise RequestError("prompt", f"prompt plus max_tokens needs {needed} KV blocks but the pool has "
                                          f"{self.kv.pool.num_blocks - 1}; raise num_blocks or kv_cache_bytes, "
@@ -418,7 +421,8 @@ class LLM:
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, Seq)
+                  else [sampling_params or self.engine.default_params] * len(prompts))
         results: dict[int, RequestOutput] = {}
         index: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -11,6 +11,11 @@ from runtime.constraints import Constraint, ConstraintError
 # OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
 LOGIT_BIAS_LIMIT = 100.0
 
+# The one max_tokens policy, shared by `pagedgraph generate`, `LLM` / `SamplingParams` and the server: a request
+# that leaves max_tokens out gets DEFAULT_MAX_TOKENS, capped to what max_model_len leaves after its prompt; one
+# that asks for more than fits is refused (RequestError offline, 400 from the server), never cut silently.
+DEFAULT_MAX_TOKENS = 256
+
 
 class RequestError(ValueError):
     """A request that cannot be served as given; `field` names the culprit."""
@@ -25,7 +30,7 @@ class SamplingParams:
     """What to generate and how. The penalty fields follow OpenAI (presence, frequency, logit_bias) and vLLM
     (repetition_penalty, min_p, min_tokens); runtime/logits_processors.py applies them."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: the default policy (see DEFAULT_MAX_TOKENS)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -57,7 +62,8 @@ class SamplingParams:
             except ConstraintError as exc:
                 raise RequestError(exc.field, exc.problem) from None
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "must be an integer >= 1"),
             ("temperature", _number(self.temperature) and 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be an integer >= -1 (0 or -1: off)"),
@@ -108,12 +114,32 @@ class SamplingParams:
                                          f"{vocab_size} tokens, so ids must be in [0, {vocab_size})")
 
     @classmethod
+    def from_defaults(cls, defaults: Mapping[str, Any], **given: Any) -> "SamplingParams":
+        """`given` (checked as by from_dict) over a model's generation defaults; defaults this version cannot
+        apply (min_p, ...) are skipped, and max_tokens keeps its own policy."""
+        known = {f.name for f in fields(cls)} - {"max_tokens"}
+        return cls.from_dict({**{k: v for k, v in defaults.items() if k in known}, **given})
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RequestError(unknown[0], f"unknown sampling field; known: {', '.join(sorted(known))}")
         return cls(**data)
+
+
+def resolve_max_tokens(max_tokens: int | None, num_prompt: int, max_model_len: int,
+                       default: int = DEFAULT_MAX_TOKENS) -> int:
+    """How many tokens a request may generate under the one policy (see DEFAULT_MAX_TOKENS)."""
+    room = max_model_len - num_prompt
+    if max_tokens is None:
+        return max(1, min(default, room))
+    if max_tokens > room:
+        raise RequestError("max_tokens", f"{max_tokens} with a prompt of {num_prompt} tokens exceeds this model's "
+                                         f"max_model_len = {max_model_len}; ask for at most {room} tokens, or leave "
+                                         f"max_tokens out (default: {default}, capped to the context left)")
+    return max_tokens
 
 
 def _number(value: Any) -> bool:

@@ -24,7 +24,7 @@ from pagedgraph.cli import main
 from runtime.engine import LLM
 from tests.random_checkpoint import write_random_llama
 
-REDO = "re-export it with `pagedgraph export --config <export.yaml> --out"
+REDO = "re-export it with `pagedgraph export --config "  # + the artifact's own export_config.json and --out
 
 
 def _damaged(artifact: Path, out: Path, name: str) -> Path:
@@ -52,7 +52,7 @@ def test_a_flipped_or_truncated_weights_file_is_refused(smollm2_artifact: Path, 
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     weights = _damaged(smollm2_artifact, tmp_path, WEIGHTS)
     _flip_byte(weights, weights.stat().st_size // 2)
-    with pytest.raises(ArtifactError, match=f"{WEIGHTS} is corrupted \\(checksum mismatch\\); {REDO} {tmp_path}`"):
+    with pytest.raises(ArtifactError, match=f"{WEIGHTS} is corrupted \\(checksum mismatch\\); {REDO}{tmp_path}/export_config.json --out {tmp_path}`"):
         Manifest.load(tmp_path)
     assert main(["generate", "--artifact", str(tmp_path), "--prompt", "hi", "--max-tokens", "1"]) == 2
     assert "is corrupted" in capsys.readouterr().err

@@ -123,7 +123,7 @@ def test_serve_without_an_artifact_or_export_config_fails_clearly(tmp_path: Path
     path = _write(tmp_path, "model: {artifact: missing}\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"model.artifact {tmp_path / 'missing'} is not an exported artifact" in err
+    assert f"model.artifact: {tmp_path / 'missing'} does not exist" in err
     assert "model.export_config" in err
 
 

@@ -1,8 +1,9 @@
 """What every checkpoint reader hands to the exporter."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -39,6 +40,9 @@ class Checkpoint:
     tensors: Mapping[str, np.ndarray]
     tokenizer: TokenizerSpec
     source: str
+    # The checkpoint's own sampling defaults (HF generation_config.json), under SamplingParams' names; GGUF has none.
+    generation_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    generation_source: str = ""  # where generation_defaults came from, recorded in the manifest
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

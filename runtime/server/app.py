@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.deploy_config import Deployment
 from runtime.engine import RequestOutput
-from runtime.sampling_params import RequestError, SamplingParams
+from runtime.sampling_params import RequestError, SamplingParams, resolve_max_tokens
 from runtime.server import metrics
 from runtime.server.body_limit import BodyLimit
 from runtime.server.engine_loop import EngineLoop, RequestHandle
@@ -74,7 +74,10 @@ class Frontend:
         self.tokenizer = self.loop.engine.tokenizer
         self.max_model_len = self.loop.engine.max_model_len
         self.max_n = self.loop.engine.max_num_seqs
-        self.defaults = self.deployment.sampling.model_dump()
+        sampling = self.deployment.sampling
+        self.default_max_tokens = sampling.max_tokens
+        self.defaults = {**asdict(self.loop.engine.default_params),
+                         **{k: v for k, v in sampling.model_dump(exclude={"max_tokens"}).items() if v is not None}}
         self.limits = self.deployment.server
         self.draining = False
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
@@ -118,11 +121,10 @@ class Frontend:
 
     def _params(self, body: SamplingFields, num_prompt: int, max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
-        if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
-            raise APIError(400, f"max_tokens = {max_tokens} with a prompt of {num_prompt} tokens exceeds this model's "
-                                f"max_model_len = {self.max_model_len}; ask for at most "
-                                f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+        try:
+            max_tokens = resolve_max_tokens(max_tokens, num_prompt, self.max_model_len, self.default_max_tokens)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
         if body.n > self.max_n:
             raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
                                 "deployment runs)", param="n")

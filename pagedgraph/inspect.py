@@ -1,0 +1,72 @@
+"""`pagedgraph inspect`: what an artifact holds (model, dtype, bucket families, sizes, export config, versions,
+checksums), read from its manifest, so nobody has to read manifest.json by hand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from exporter.export import family_summary
+from artifact.manifest import MANIFEST, Manifest, file_sha256
+
+
+def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
+    """The artifact as one JSON-able record; `verify` recomputes every file's sha256 against the manifest."""
+    manifest = Manifest.load(artifact, verify=False)
+    files = {}
+    for rel, digest in manifest.files.items():
+        path = artifact / rel
+        entry: dict[str, Any] = {"bytes": path.stat().st_size if path.is_file() else None, "sha256": digest}
+        if verify:
+            entry["ok"] = path.is_file() and file_sha256(path) == digest
+        files[rel] = entry
+    model = manifest.model
+    return {
+        "artifact": str(artifact),
+        "model": {"architecture": model.architecture, "layers": model.num_layers, "hidden_size": model.hidden_size,
+                  "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+                  "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
+                  "source": manifest.export_config.get("model", {}).get("source")},
+        "dtype": manifest.dtype,
+        "block_size": manifest.block_size,
+        "max_model_len": manifest.max_model_len,
+        "families": {name: {"graph": spec.graph, "gears": len(spec.gears), "summary": family_summary(name, spec.gears),
+                            "gear_list": [[g.tokens, g.seqs, g.blocks] for g in spec.gears]}
+                     for name, spec in manifest.families.items()},
+        "generation_defaults": manifest.generation_defaults,
+        "export_config": manifest.export_config,
+        "versions": {"format": manifest.format_version, "op_set": manifest.op_set_version, **manifest.exported_with},
+        "files": files,
+        "total_bytes": sum(f["bytes"] or 0 for f in files.values()),
+    }
+
+
+def text(record: dict[str, Any], gears: bool = False) -> str:
+    """The record for a terminal: a few lines per section; every gear only with `gears`."""
+    m = record["model"]
+    lines = [f"artifact      {record['artifact']}",
+             f"model         {m['architecture']}: {m['layers']} layers, hidden {m['hidden_size']}, "
+             f"{m['heads']}/{m['kv_heads']} heads of {m['head_dim']}, vocab {m['vocab_size']}"
+             f"{', tied embeddings' if m['tie_word_embeddings'] else ''}; from {m['source']}",
+             f"dtype         {record['dtype']}, block_size {record['block_size']}, "
+             f"max_model_len {record['max_model_len']}"]
+    for name, family in record["families"].items():
+        lines.append(f"buckets       {family['summary']} ({family['graph']})")
+        if gears:
+            lines += [f"                {name} T={t} B={b} M={mb}" for t, b, mb in family["gear_list"]]
+    defaults = record["generation_defaults"]
+    lines.append("sampling      " + ("; ".join(f"{k} {v['value']} (from {v['source']})" for k, v in defaults.items())
+                                     or "no generation defaults in the checkpoint: SamplingParams' own apply"))
+    options = record["export_config"].get("export", {})
+    lines.append("export        " + ", ".join(f"{k} {json.dumps(v)}" for k, v in options.items() if k != "buckets"))
+    lines.append("versions      " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
+    checked = [f.get("ok") for f in record["files"].values()]
+    state = ("verified: all match" if all(checked) else
+             f"MISMATCH in {', '.join(r for r, f in record['files'].items() if f.get('ok') is False)}"
+             ) if checked and checked[0] is not None else "not verified"
+    lines.append(f"files         {len(record['files'])} + {MANIFEST}, {record['total_bytes'] / 1e6:.1f} MB; "
+                 f"sha256 {state}")
+    for rel, f in record["files"].items():
+        size = "missing" if f["bytes"] is None else f"{f['bytes'] / 1e6:10.2f} MB"
+        lines.append(f"                {rel:32} {size}  sha256 {f['sha256'][:16]}")
+    return "\n".join(lines)
