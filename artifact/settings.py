@@ -49,6 +49,11 @@ def load_yaml(cls: type[M], path: str | Path, overrides: dict[str, Any] | None =
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections at the top level")
+    return validate(cls, with_overrides(data, overrides), str(path))
+
+
+def with_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """`data` with dotted-key overrides (CLI flags) set in place; None values are not given."""
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -57,4 +62,4 @@ def load_yaml(cls: type[M], path: str | Path, overrides: dict[str, Any] | None =
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    return validate(cls, data, str(path))
+    return data

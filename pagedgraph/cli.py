@@ -13,26 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from artifact.settings import ConfigError, validate
+from artifact.settings import ConfigError, validate, with_overrides
 from pagedgraph import __version__
 from runtime.executors import CUSTOM_OPS
 from runtime.sampling_params import DEFAULT_MAX_TOKENS
 
 CACHE_ENV = "PAGEDGRAPH_CACHE"  # where `serve --model` keeps its exports (default ~/.cache/pagedgraph/artifacts)
-
-
-def _with_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Dotted-key CLI overrides as a nested mapping (None values: not given)."""
-    data: dict[str, Any] = {}
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return data
 
 
 def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
@@ -42,7 +28,7 @@ def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
 
     if config is not None:
         return load_yaml(ExportConfig, config, overrides)
-    return validate(ExportConfig, _with_overrides(overrides), "the command line")
+    return validate(ExportConfig, with_overrides({}, overrides), "the command line")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -143,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("give --model DIR|file.gguf (exported for you), --artifact DIR (an exported artifact) or "
                           "--config deploy.yaml (see configs/deploy-smollm2.yaml)")
     else:
-        deployment, source = validate(Deployment, _with_overrides(overrides), "the command line"), "the command line"
+        deployment, source = validate(Deployment, with_overrides({}, overrides), "the command line"), "the command line"
     model = deployment.model
     if not (Path(model.artifact) / MANIFEST).is_file():
         if model.export_config is None:

@@ -74,7 +74,8 @@ class SamplingParams:
              "must be non-negative integers"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
             ("min_tokens", _integer(self.min_tokens) and 0 <= self.min_tokens, "must be an integer >= 0"),
-            ("min_tokens", not _integer(self.min_tokens) or self.min_tokens <= self.max_tokens,
+            ("min_tokens", not _integer(self.min_tokens) or not _integer(self.max_tokens)
+             or self.min_tokens <= self.max_tokens,
              f"must be at most max_tokens = {self.max_tokens}"),
             ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              "must be in [-2, 2] (0: off)"),

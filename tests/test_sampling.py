@@ -94,7 +94,7 @@ def test_logit_bias_is_clamped_and_validated() -> None:
 ])
 def test_bad_sampling_values_name_field_value_and_rule(field: str, value: float, rule: str) -> None:
     with pytest.raises(RequestError) as err:
-        SamplingParams(**{field: value})
+        SamplingParams(**{"max_tokens": 16, field: value})
     assert err.value.field == field and repr(value) in str(err.value) and rule in str(err.value)
 
 
