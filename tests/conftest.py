@@ -33,6 +33,24 @@ def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model exported with `quantization: gguf` (its own Q4_1/Q8_0 blocks), float32 compute.
+
+    PAGEDGRAPH_TEST_GGUF_ARTIFACT reuses a directory exported with the same settings."""
+    from exporter.config import ExportConfig
+    from exporter.export import export
+
+    reuse = os.environ.get("PAGEDGRAPH_TEST_GGUF_ARTIFACT")
+    if reuse and Path(reuse, "manifest.json").is_file():
+        return Path(reuse)
+    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2-gguf"
+    options = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
+    config = {"model": {"quantization": "gguf"}, "export": {**options, "accuracy_level": 0}}
+    export(ExportConfig.model_validate(config), out, log=io.StringIO())
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with one gear per family: seconds to export, for tests of the runtime's plumbing."""
     pytest.importorskip("transformers")

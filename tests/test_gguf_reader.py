@@ -10,6 +10,7 @@ import pytest
 from exporter.checkpoint.base import Checkpoint, CheckpointError
 from exporter.checkpoint.gguf_reader import default_model_path, read_gguf
 from graphs.config import SUPPORTED_ARCHITECTURES
+from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -42,65 +43,9 @@ def test_smollm2_tensors(smollm2: Checkpoint) -> None:
     assert all(a.dtype == np.float32 and a.flags.c_contiguous and np.isfinite(a).all() for a in t.values())
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's permute: HF rotate-half rows -> llama.cpp interleaved rope pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_tiny_gguf(
-    path: Path, *, tokenizer_model: str = "gpt2", tokenizer_pre: str = "gpt-2", rope_scaling: str | None = None
-) -> dict[str, np.ndarray]:
-    """A 2-layer GQA LLaMA as llama.cpp would convert it (F32, untied); returns the HF-layout tensors."""
-    arch = "llama"
-    layers, hidden, heads, kv_heads, ffn = 2, 16, 4, 2, 24
-    head_dim = hidden // heads
-    tokens = ["<|endoftext|>", "a", "b", "ab", "Ġ"]
-    rng = np.random.default_rng(0)
-    hf = {
-        "model.embed_tokens.weight": rng.standard_normal((len(tokens), hidden)),
-        "model.norm.weight": rng.standard_normal(hidden),
-        "lm_head.weight": rng.standard_normal((len(tokens), hidden)),
-    }
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in (("block_count", layers), ("context_length", 128), ("embedding_length", hidden),
-                       ("feed_forward_length", ffn), ("attention.head_count", heads),
-                       ("attention.head_count_kv", kv_heads), ("rope.dimension_count", head_dim)):
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    if rope_scaling is not None:
-        writer.add_string(f"{arch}.rope.scaling.type", rope_scaling)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(tokenizer_pre)
-    writer.add_token_list(tokens)
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([3, 1, 1, 1, 1])
-    writer.add_eos_token_id(0)
-    for gguf_name, hf_name in (("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"), ("output", "lm_head")):
-        writer.add_tensor(f"{gguf_name}.weight", hf[f"{hf_name}.weight"].astype(np.float32))
-    shapes = {"attn_norm": (hidden,), "attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden), "ffn_norm": (hidden,),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
-    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    for layer in range(layers):
-        for part, shape in shapes.items():
-            weight = rng.standard_normal(shape)
-            hf[f"model.layers.{layer}.{names[part]}.weight"] = weight
-            if part in ("attn_q", "attn_k"):
-                weight = _llama_cpp_permute(weight, heads if part == "attn_q" else kv_heads)
-            writer.add_tensor(f"blk.{layer}.{part}.weight", weight.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return {k: v.astype(np.float32) for k, v in hf.items()}
-
-
 def test_rope_permutation_is_undone(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
-    expected = _write_tiny_gguf(path)
+    expected = write_tiny_gguf(path)
     checkpoint = read_gguf(path)
     assert set(checkpoint.tensors) == set(expected)
     for name, weight in expected.items():
@@ -120,7 +65,7 @@ def test_rope_permutation_is_undone(tmp_path: Path) -> None:
 )
 def test_unsupported_variants_are_refused(tmp_path: Path, variant: dict[str, str], field: str) -> None:
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, **variant)
+    write_tiny_gguf(path, **variant)
     with pytest.raises(CheckpointError) as info:
         read_gguf(path)
     message = str(info.value)
@@ -157,7 +102,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 def test_truncated_file(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path)
+    write_tiny_gguf(path)
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(CheckpointError) as info:
         read_gguf(path)

@@ -31,7 +31,16 @@ def reference() -> list[dict]:
 
 
 def test_continuous_batch_with_staggered_arrivals_matches_hf(smollm2_artifact: Path, reference: list[dict]) -> None:
-    engine = LLMEngine(smollm2_artifact, EngineConfig(max_num_batched_tokens=1024, threads=2))
+    _staggered_arrivals_match_hf(smollm2_artifact, reference)
+
+
+def test_gguf_blocks_with_float32_compute_match_hf(smollm2_gguf_artifact: Path, reference: list[dict]) -> None:
+    """The Q4_1/Q8_0 blocks run as they are (MatMulNBits, accuracy_level 0); HF ran on their dequantized values."""
+    _staggered_arrivals_match_hf(smollm2_gguf_artifact, reference)
+
+
+def _staggered_arrivals_match_hf(artifact: Path, reference: list[dict]) -> None:
+    engine = LLMEngine(artifact, EngineConfig(max_num_batched_tokens=1024, threads=2))
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     pending = list(enumerate(reference))
     results: dict[str, list[int]] = {}

@@ -13,8 +13,10 @@ __all__ = ["Checkpoint", "CheckpointError", "TokenizerSpec", "read_checkpoint", 
 DEFAULT_SOURCE = "default"
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Pick the reader from what `path` is: a HF directory, a `.gguf` file, or "default" (SmolLM2)."""
+def read_checkpoint(path: str | os.PathLike[str], keep_blocks: bool = False) -> Checkpoint:
+    """Pick the reader from what `path` is: a HF directory, a `.gguf` file, or "default" (SmolLM2).
+
+    `keep_blocks`: a GGUF's quantized tensors stay in their blocks (only GGUF files have them)."""
     if str(path) == DEFAULT_SOURCE:
         from exporter.checkpoint.gguf_reader import default_model_path
 
@@ -26,7 +28,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         # Imported lazily so HF-only users never need the gguf package.
         from exporter.checkpoint.gguf_reader import read_gguf
 
-        return read_gguf(p)
+        return read_gguf(p, keep_blocks=keep_blocks)
     if not p.exists():
         raise CheckpointError(f"{p} does not exist; pass a Hugging Face checkpoint directory or a .gguf file")
     raise CheckpointError(

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from graphs.config import ModelConfig
+from graphs.quant import Weight
 
 
 class CheckpointError(ValueError):
@@ -27,7 +28,8 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Weights in float32 numpy under canonical HF LLaMA names, [out, in] for linear layers.
+    """Weights under canonical HF LLaMA names, [out, in] for linear layers: float32 numpy, or
+    `BlockQuantized` where a GGUF was read with its blocks kept (export `quantization: gguf`).
 
     Canonical names: `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`
     (absent when tied), and per layer i `model.layers.{i}.input_layernorm.weight`,
@@ -37,7 +39,7 @@ class Checkpoint:
     """
 
     config: ModelConfig
-    tensors: Mapping[str, np.ndarray]
+    tensors: Mapping[str, Weight]
     tokenizer: TokenizerSpec
     source: str
     # The checkpoint's own sampling defaults (HF generation_config.json), under SamplingParams' names; GGUF has none.

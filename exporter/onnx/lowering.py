@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from onnx import FunctionProto, helper
 
-from exporter.onnx import attention
+from exporter.onnx import attention, quantized
 from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
 from graphs import ops
 from graphs.ops.op import Attributes, Lowering, Op
@@ -115,4 +115,6 @@ _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
 ONNX: Lowering[OnnxBody] = Lowering(
     "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",
     {ops.GATHER: _gather, ops.ADD: _add, ops.SPLIT: _split, ops.LINEAR: _linear,
+     ops.LINEAR_BLOCK_QUANTIZED: quantized.linear_block_quantized,
+     ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      **{op: Function(op, body) for op, body in _FUNCTIONS.items()}})

@@ -7,6 +7,7 @@ OP_SET_VERSION when a contract changes: artifacts record it and the runtime refu
 from graphs.ops.add import ADD, add
 from graphs.ops.gather import GATHER, gather
 from graphs.ops.linear import LINEAR, linear
+from graphs.ops.linear_block_quantized import GATHER_BLOCK_QUANTIZED, LINEAR_BLOCK_QUANTIZED
 from graphs.ops.op import Op
 from graphs.ops.paged_attention import PAGED_ATTENTION, paged_attention
 from graphs.ops.reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
@@ -18,11 +19,11 @@ from graphs.ops.swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.
-OPS: tuple[Op, ...] = (GATHER, ADD, SPLIT, LINEAR, RMS_NORM, ROPE, SWIGLU, RESHAPE_AND_CACHE, PAGED_ATTENTION,
-                       SELF_ATTENTION)
+OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED, RMS_NORM, ROPE,
+                       SWIGLU, RESHAPE_AND_CACHE, PAGED_ATTENTION, SELF_ATTENTION)
 
 __all__ = [
-    "ADD", "GATHER", "LINEAR", "OPS", "OP_SET_VERSION", "PAGED_ATTENTION", "RESHAPE_AND_CACHE", "RMS_NORM", "ROPE",
-    "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",
+    "ADD", "GATHER", "GATHER_BLOCK_QUANTIZED", "LINEAR", "LINEAR_BLOCK_QUANTIZED", "OPS", "OP_SET_VERSION",
+    "PAGED_ATTENTION", "RESHAPE_AND_CACHE", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",
     "rms_norm", "rope", "self_attention", "split", "swiglu",
 ]

@@ -1,0 +1,56 @@
+"""ONNX bodies of Linear.block_quantized (`com.microsoft.MatMulNBits`) and Gather.block_quantized.
+
+Linear: MatMulNBits(x, codes, scales[, zero points]) runs the blocks as they are (ORT's MLAS kernel; the
+op's inputs are already in its layout). A form with a per-block minimum (GGUF Q4_1, Q4_K) adds
+sum_b(x over block b) * minimum[n, b]: MatMulNBits has no additive term, and folding the minimum into a float
+zero point would round it (and drops MLAS's int8 path), so the minimum stays exact as a second, block_size
+times smaller matmul over the block sums.
+
+Gather: rows of the codes (the SAME initializer the tied LM head's MatMulNBits reads) are gathered, then
+dequantized in gguf's order of operations ((code - zero point) * scale + minimum).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+if TYPE_CHECKING:
+    from exporter.onnx.lowering import OnnxGraph
+
+MS_DOMAIN = "com.microsoft"
+
+
+def linear_block_quantized(g: "OnnxGraph", inputs: Sequence[str | None], attrs: Any) -> list[str]:
+    x, codes, scales, zero_points, minimum, bias = inputs
+    n = g.n
+    g.opsets.setdefault(MS_DOMAIN, 1)
+    nbits_inputs = [x, codes, scales] + ([zero_points] if zero_points else [])
+    out = n.op("MatMulNBits", *nbits_inputs, domain=MS_DOMAIN, K=attrs.K, N=attrs.N, bits=attrs.bits,
+               block_size=attrs.block_size, accuracy_level=attrs.accuracy_level)
+    if minimum:
+        blocks = attrs.K // attrs.block_size
+        sums = n.op("ReduceSum", n.op("Reshape", x, n.const([0, blocks, attrs.block_size])), n.const([2]), keepdims=0)
+        out = n.op("Add", out, n.op("MatMul", sums, n.op("Transpose", minimum, perm=[1, 0])))
+    return [n.op("Add", out, bias) if bias else out]
+
+
+def gather_block_quantized(g: "OnnxGraph", inputs: Sequence[str | None], attrs: Any) -> list[str]:
+    codes, scales, zero_points, minimum, indices = inputs
+    n = g.n
+    blocks = attrs.K // attrs.block_size
+    values = n.op("Cast", n.op("Gather", codes, indices, axis=0), to=TensorProto.FLOAT)  # [T, blocks, bytes]
+    if attrs.bits == 4:  # split each byte into its two codes, low first, exactly in float32
+        high = n.op("Floor", n.op("Div", values, n.const(16.0, np.float32)))
+        low = n.op("Sub", values, n.op("Mul", high, n.const(16.0, np.float32)))
+        pairs = n.op("Concat", n.unsqueeze(low, [3]), n.unsqueeze(high, [3]), axis=3)
+        values = n.op("Reshape", pairs, n.const([0, blocks, attrs.block_size]))
+    if zero_points:
+        zero_point = n.unsqueeze(n.op("Cast", n.op("Gather", zero_points, indices, axis=0), to=TensorProto.FLOAT), [2])
+    else:
+        zero_point = n.const(float(1 << (attrs.bits - 1)), np.float32)
+    values = n.op("Mul", n.op("Sub", values, zero_point), n.unsqueeze(n.op("Gather", scales, indices, axis=0), [2]))
+    if minimum:
+        values = n.op("Add", values, n.unsqueeze(n.op("Gather", minimum, indices, axis=0), [2]))
+    return [n.op("Reshape", values, n.const([0, attrs.K]))]

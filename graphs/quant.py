@@ -1,0 +1,163 @@
+"""Block-quantized weights: the one weight form every quantized Linear / Gather variant takes.
+
+A linear weight W [n, k] (ATB's [out, in] layout) is held as integer codes q with, per row and per block
+of `block_size` consecutive inputs, a float scale, an optional integer zero point and an optional float
+minimum:
+
+    W[i, j] = (q[i, j] - zero_point[i, j // block_size]) * scale[i, j // block_size] + minimum[i, j // block_size]
+
+This one form holds GGUF's blocks without loss (Q4_0: zero point 8; Q8_0: codes + 128, zero point 128;
+Q4_1 and the K-quants: zero point 0 and the block's min as `minimum`), and the round-to-nearest weight-only
+formats (w8a16: one scale per row repeated over its blocks; w4a16: group-wise scale and zero point).
+The order of the float operations above is the one `gguf.quants.dequantize` uses, so `dequantize()`
+reproduces the file's weights bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """Integer codes `q` uint8 [n, k] plus per-block scale, zero point and minimum, each [n, k / block_size]."""
+
+    q: np.ndarray
+    scale: np.ndarray  # float32
+    zero_point: np.ndarray  # uint8, < 2**bits
+    minimum: np.ndarray | None  # float32, or None where the form has no additive term
+    bits: int
+    block_size: int
+    source: str  # what the codes came from, for reports: "Q4_1", "rtn-int4-g64", ...
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        blocks = (n, k // self.block_size)
+        if self.bits not in BITS or k % self.block_size or self.scale.shape != blocks or self.zero_point.shape != blocks:
+            raise ValueError(f"inconsistent block-quantized weight: q {self.q.shape}, scale {self.scale.shape}, "
+                             f"zero point {self.zero_point.shape}, {self.bits} bits, blocks of {self.block_size}")
+        if self.minimum is not None and self.minimum.shape != blocks:
+            raise ValueError(f"minimum {self.minimum.shape} does not match {blocks} blocks")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as stored: codes packed to `bits`, float32 scales and minima, uint8 zero points."""
+        n, k = self.q.shape
+        extra = 0 if self.minimum is None else self.minimum.nbytes
+        return n * k * self.bits // 8 + self.scale.nbytes + self.zero_point.nbytes + extra
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [n, k], in `gguf.quants.dequantize`'s order of operations."""
+        n, k = self.q.shape
+        blocks = (n, k // self.block_size, self.block_size)
+        codes = self.q.reshape(blocks).astype(np.float32) - self.zero_point.astype(np.float32)[:, :, None]
+        w = codes * self.scale[:, :, None]
+        if self.minimum is not None:
+            w = w + self.minimum[:, :, None]
+        return w.reshape(n, k)
+
+    def rows(self, order: np.ndarray) -> "BlockQuantized":
+        """The same weight with its output rows permuted (rope un-permutation of GGUF's Q/K)."""
+        return BlockQuantized(self.q[order], self.scale[order], self.zero_point[order],
+                              None if self.minimum is None else self.minimum[order], self.bits, self.block_size,
+                              self.source)
+
+
+Weight = np.ndarray | BlockQuantized
+
+
+def concat_rows(parts: Sequence[Weight]) -> Weight:
+    """Stack weights along the output axis (fused QKV, gate/up); quantized parts must share one form."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=0)  # type: ignore[arg-type]
+    first = parts[0]
+    same = all(isinstance(p, BlockQuantized) and isinstance(first, BlockQuantized)
+               and (p.bits, p.block_size) == (first.bits, first.block_size)
+               and (p.minimum is None) == (first.minimum is None) for p in parts)
+    if not same or not isinstance(first, BlockQuantized):
+        forms = ", ".join(p.source if isinstance(p, BlockQuantized) else str(p.dtype) for p in parts)
+        raise ValueError(f"cannot fuse weights of different forms ({forms}) into one linear")
+    quantized = [p for p in parts if isinstance(p, BlockQuantized)]
+    minimum = None if first.minimum is None else np.concatenate([p.minimum for p in quantized])  # type: ignore[misc]
+    return BlockQuantized(np.concatenate([p.q for p in quantized]), np.concatenate([p.scale for p in quantized]),
+                          np.concatenate([p.zero_point for p in quantized]), minimum, first.bits, first.block_size,
+                          "+".join(sorted({p.source for p in quantized})))
+
+
+# The graph layout (the op variants' inputs, graphs/ops/linear.py and gather.py): ONNX Runtime's MatMulNBits
+# layout, so the ONNX lowering passes the initializers through untouched.
+
+def pack_codes(w: BlockQuantized) -> np.ndarray:
+    """uint8 [n, blocks, block_size * bits / 8]; 4-bit codes two per byte, the even one in the low nibble."""
+    n, k = w.shape
+    codes = w.q.reshape(n, k // w.block_size, w.block_size)
+    if w.bits == 8:
+        return np.ascontiguousarray(codes)
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
+
+
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of `pack_codes`: uint8 [n, k]."""
+    n = packed.shape[0]
+    if bits == 8:
+        return packed.reshape(n, -1)
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
+
+
+def pack_zero_points(w: BlockQuantized) -> np.ndarray | None:
+    """MatMulNBits' zero points (uint8, 4-bit ones two per byte along a row), or None where all are the default
+    2**(bits-1) (Q4_0, Q8_0, the int8 RTN form)."""
+    if np.all(w.zero_point == 1 << (w.bits - 1)):
+        return None
+    if w.bits == 8:
+        return np.ascontiguousarray(w.zero_point)
+    n, blocks = w.zero_point.shape
+    padded = np.zeros((n, blocks + blocks % 2), np.uint8)
+    padded[:, :blocks] = w.zero_point
+    return np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4))
+
+
+def unpack_zero_points(packed: np.ndarray | None, bits: int, blocks: int, rows: int) -> np.ndarray:
+    if packed is None:
+        return np.full((rows, blocks), 1 << (bits - 1), np.uint8)
+    return packed if bits == 8 else unpack_codes(packed, 4)[:, :blocks]
+
+
+def from_graph(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, minimum: np.ndarray | None,
+               bits: int, block_size: int, source: str = "graph") -> BlockQuantized:
+    """The weight the graph's packed inputs hold (what the read-back test and the op references decode)."""
+    rows, blocks = scales.shape
+    return BlockQuantized(unpack_codes(codes, bits), scales, unpack_zero_points(zero_points, bits, blocks, rows),
+                          minimum, bits, block_size, source)
+
+
+def graph_parts(name: str, w: BlockQuantized, gathered: bool = False) -> list[str | None]:
+    """Names of the op variant's weight inputs: codes, scales, zero points, minimum (None where the form has none).
+
+    A `gathered` table (the embedding) reads its zero points unpacked: for 4 bits, `<name>.zero_point_rows`."""
+    default_zero_point = bool(np.all(w.zero_point == 1 << (w.bits - 1)))
+    zero_points = None if default_zero_point else f"{name}.zero_point_rows" if gathered and w.bits == 4 \
+        else f"{name}.zero_points"
+    return [f"{name}.codes", f"{name}.scales", zero_points, None if w.minimum is None else f"{name}.minimum"]
+
+
+def graph_arrays(name: str, w: BlockQuantized, gathered: bool = False) -> dict[str, np.ndarray]:
+    """The graph parameters of one quantized weight, under the names `graph_parts` gives (both the linear's and,
+    for a `gathered` table, the gather's)."""
+    codes, scales, zero_points, minimum = graph_parts(name, w, gathered)
+    arrays = {codes: pack_codes(w), scales: np.ascontiguousarray(w.scale, np.float32)}
+    if zero_points is not None:
+        arrays[f"{name}.zero_points"] = pack_zero_points(w)  # type: ignore[assignment]
+        arrays[zero_points] = np.ascontiguousarray(w.zero_point) if zero_points.endswith("_rows") \
+            else arrays[f"{name}.zero_points"]
+    if minimum is not None:
+        arrays[minimum] = np.ascontiguousarray(w.minimum, np.float32)
+    return arrays  # type: ignore[return-value]

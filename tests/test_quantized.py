@@ -1,0 +1,152 @@
+"""Block-quantized weights: GGUF blocks kept bit for bit, RTN quantizers, the MatMulNBits lowering, config refusals."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import gguf
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from onnx import helper, numpy_helper
+
+from exporter.checkpoint.gguf_blocks import from_gguf
+from exporter.checkpoint.gguf_reader import read_gguf
+from exporter.config import ExportConfig
+from exporter.export import GRAPH, export
+from exporter.quantize import int4_groupwise, int8_per_channel
+from graphs import contract as c
+from graphs import quant
+from artifact.manifest import Manifest
+from graphs.quant import BlockQuantized
+from artifact.settings import ConfigError, validate
+from tests.tiny_gguf import write_tiny_gguf
+
+LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def _tiny_quantized_gguf(path: Path, qtype: Q) -> dict[str, np.ndarray]:
+    kinds = {kind: qtype for kind in (*LINEAR_KINDS, "token_embd", "output")}
+    return write_tiny_gguf(path, hidden=64, ffn=128, quant=kinds)
+
+
+@pytest.mark.parametrize("qtype", GGUF_BLOCK_TYPES, ids=lambda t: t.name)
+def test_gguf_blocks_read_back_equal_gguf_dequantize(tmp_path: Path, qtype: Q) -> None:
+    expected = _tiny_quantized_gguf(tmp_path / "tiny.gguf", qtype)
+    checkpoint = read_gguf(tmp_path / "tiny.gguf", keep_blocks=True)
+    blocks = {k: w for k, w in checkpoint.tensors.items() if isinstance(w, BlockQuantized)}
+    assert len(blocks) == 2 * len(LINEAR_KINDS) + 2 and {w.source for w in blocks.values()} == {qtype.name}
+    for name, weight in checkpoint.tensors.items():
+        got = weight.dequantize() if isinstance(weight, BlockQuantized) else weight
+        np.testing.assert_array_equal(_bits(got), _bits(expected[name]), err_msg=name)
+
+
+def _written_weight(model: onnx.ModelProto, name: str) -> BlockQuantized:
+    """The weight `name` as the artifact stores it, decoded from its initializers and its MatMulNBits node alone."""
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{name}.codes")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return quant.from_graph(init[f"{name}.codes"], init[f"{name}.scales"], init.get(f"{name}.zero_points"),
+                            init.get(f"{name}.minimum"), attrs["bits"], attrs["block_size"])
+
+
+@pytest.mark.parametrize("qtype", GGUF_BLOCK_TYPES, ids=lambda t: t.name)
+def test_gguf_artifact_holds_the_files_blocks_and_matches_dequantized_fp32(tmp_path: Path, qtype: Q) -> None:
+    expected = _tiny_quantized_gguf(tmp_path / "tiny.gguf", qtype)
+    logits = {}
+    for quantization in ("gguf", "none"):
+        config = ExportConfig.model_validate({"model": {"source": str(tmp_path / "tiny.gguf"),
+                                                        "quantization": quantization},
+                                              "export": {"max_model_len": 64, "buckets": {
+                                                  "decode_batch": [2], "prefill_tokens": [16], "prefill_max_seqs": 2}}})
+        manifest = export(config, tmp_path / quantization, log=io.StringIO())
+        assert manifest.quantization == quantization
+        model = onnx.load_model(tmp_path / quantization / GRAPH)
+        logits[quantization] = _prefill_logits(model, manifest, [1, 2, 3, 4, 1, 3, 2])
+        if quantization == "gguf":
+            assert manifest.weight_formats == {qtype.name: 16, "float32": 5}
+            assert Manifest.load(tmp_path / quantization).precision().startswith("float32, quantization gguf")
+            nodes = [n.op_type for n in model.graph.node]
+            assert nodes.count("MatMulNBits") == 2 * 4 + 1 and "Gemm" not in nodes
+            for layer in range(2):
+                p = f"model.layers.{layer}."
+                want = np.concatenate([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+                got = _written_weight(model, f"layers.{layer}.qkv").dequantize()
+                np.testing.assert_array_equal(_bits(got), _bits(want))
+                got = _written_weight(model, f"layers.{layer}.down").dequantize()
+                np.testing.assert_array_equal(_bits(got), _bits(expected[p + "mlp.down_proj.weight"]))
+    # accuracy_level 0: float32 compute on the dequantized blocks, so only summation order differs (Q4_1's
+    # minimum term sums each block first: measured 6e-6 of the largest logit).
+    assert np.abs(logits["gguf"] - logits["none"]).max() <= 1e-5 * np.abs(logits["none"]).max()
+
+
+def _prefill_logits(model: onnx.ModelProto, manifest: Manifest, tokens: list[int]) -> np.ndarray:
+    """One sequence's prefill through the artifact's graph, all rows' logits (one row per position)."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    t, bs = len(tokens), manifest.block_size
+    feed = {c.INPUT_IDS: np.array(tokens, np.int64), c.POSITIONS: np.arange(t, dtype=np.int64),
+            c.SLOT_MAPPING: bs + np.arange(t, dtype=np.int64), c.BLOCK_TABLES: np.array([[1]], np.int32),
+            c.CONTEXT_LENS: np.array([t], np.int32), c.CU_SEQLENS_Q: np.array([0, t], np.int32),
+            c.LOGITS_INDICES: np.array([t - 1], np.int64)}
+    pool = np.zeros((2 * bs, manifest.model.kv_size), np.float32)
+    return session.run([c.LOGITS], {**feed, **{name: pool for name in c.cache_names(manifest.model.num_layers)}})[0]
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+def test_k_quant_blocks_equal_gguf_dequantize(tmp_path: Path, qtype: Q) -> None:
+    """gguf-py has no K-quant quantizer: random blocks with finite fp16 scales, written with the writer."""
+    rng = np.random.default_rng(1)
+    size = {Q.Q4_K: 144, Q.Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, size=(8, 2 * size), dtype=np.uint8)
+    scales = np.float16(rng.random((16, 2)) * 0.01).view(np.uint8).reshape(16, 4)
+    blocks = raw.reshape(16, size)
+    if qtype == Q.Q4_K:
+        blocks[:, 0:4] = scales  # d and dmin
+    else:
+        blocks[:, 208:210] = scales[:, :2]
+    writer = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    writer.add_tensor("w", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    info = gguf.GGUFReader(tmp_path / "k.gguf").tensors[0]
+    weight = from_gguf(np.asarray(info.data), info.tensor_type, (8, 512))
+    np.testing.assert_array_equal(_bits(weight.dequantize()), _bits(dequantize(np.asarray(info.data), qtype)))
+
+
+def test_rtn_quantizers_keep_every_weight_within_half_a_step() -> None:
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((32, 192)).astype(np.float32) * np.linspace(0.01, 3, 32, dtype=np.float32)[:, None]
+    int8 = int8_per_channel(w)
+    assert int8.bits == 8 and int8.q.min() >= 1 and (int8.scale == int8.scale[:, :1]).all()  # one scale per row
+    assert (np.abs(int8.dequantize() - w) <= int8.scale[:, :1] / 2 * (1 + 1e-6)).all()
+    int4 = int4_groupwise(w, 64)
+    assert int4.q.max() <= 15 and int4.zero_point.max() <= 15 and int4.scale.shape == (32, 3)
+    step = np.repeat(int4.scale, 64, axis=1)
+    assert (np.abs(int4.dequantize() - w) <= step * (0.5 + 1e-5)).all()
+    with pytest.raises(ValueError, match="group_size = 128 does not divide .* 192; use 64"):
+        int4_groupwise(w, 128)
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    ({"model": {"source": "some/hf_dir", "quantization": "gguf"}}, "not a .gguf file; nearest valid: w4a16"),
+    ({"model": {"dtype": "bfloat16"}}, "model.dtype = 'bfloat16' is not built .* nearest valid: float32"),
+    ({"model": {"dtype": "float16"}, "export": {"formats": ["mindir"], "target": "ascend"}}, "float16 already"),
+    ({"model": {"quantization": "w8a8"}}, "'w8a8' is not built yet; nearest valid: w8a16"),
+    ({"model": {"quantization": "w4a16", "group_size": 100}}, "group_size = 100.* nearest valid: 128"),
+    ({"model": {"quantization": "gguf"}, "export": {"formats": ["onnx", "mindir"]}}, "ONNX .* only"),
+    ({"model": {"quantization": "w8a16"}, "export": {"baseline": "naive"}}, "export.baseline = 'naive'"),
+    ({"model": {"quantization": "int8"}}, "quantization = 'int8'"),
+])
+def test_invalid_precisions_are_refused_with_the_nearest_valid_choice(data: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        validate(ExportConfig, data, "export.yaml")
