@@ -36,7 +36,8 @@ def _export(args: argparse.Namespace) -> int:
 
     formats = args.formats.split(",") if args.formats else None
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
-                                          "export.target": args.target, "export.baseline": args.baseline})
+                                          "export.target": args.target, "export.baseline": args.baseline,
+                                          "model.dtype": args.dtype, "model.quantization": args.quantization})
     export(config, args.out, force=args.force, verbose=args.verbose)
     return 0
 
@@ -72,6 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
               enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops)
     # A field neither the line nor a flag sets: the model's generation defaults (manifest), else SamplingParams'.
+    print(f"{args.artifact}: {llm.engine.manifest.precision()}", file=sys.stderr)
     model_defaults = llm.engine.manifest.sampling_defaults
     prompts, params = [], []
     prompt_keys = ("prompt", "prompt_token_ids", "messages")
@@ -281,6 +283,11 @@ def _parser() -> argparse.ArgumentParser:
                                                                "(default: the YAML's, else cpu)")
     p.add_argument("--baseline", choices=["naive"], help="override export.baseline: also write graphs/naive.onnx "
                                                          "(default: the YAML's, else none)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="override model.dtype: activations and compute (default: the YAML's, else float32)")
+    p.add_argument("--quantization", choices=["none", "gguf", "w8a16", "w4a16", "w8a8"],
+                   help="override model.quantization: gguf runs the GGUF's own blocks, w8a16/w4a16 quantize the "
+                        "weights round-to-nearest (default: the YAML's, else none)")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.set_defaults(func=_export)
 

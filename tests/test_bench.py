@@ -56,7 +56,11 @@ def test_poisson_bench_against_naive(smollm2_artifact: Path) -> None:
     assert set(results["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in results["naive_decode_tok_s"].values())
     assert results["custom_ops"] is True  # "auto", and scripts/test.sh fetched the header the custom ops need
     assert "| padding waste |" in markdown_table(results) and "paged/naive" in text_table(results)
-    assert "executor onnxruntime, custom ops on" in text_table(results)
+    assert "executor onnxruntime, custom ops on, float32, quantization none" in text_table(results)
+    # ORT's profile names the kernels that ran: fp32 linears are Gemm, the fused attention its custom op.
+    decode = results["kernels"]["decode"]["ops"]
+    assert decode["Gemm"]["calls"] == 4 * 30 + 1 and decode["PagedAttention"]["calls"] == 30
+    assert results["kernels"]["matmul_nbits"] == [] and results["kernels"]["custom_ops"] is True
 
 
 def test_shared_prefix_compares_cache_on_and_off(smollm2_artifact: Path) -> None:

@@ -68,7 +68,9 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
 def _executor(results: dict[str, Any]) -> str:
     """The paged engine's executor, and for ONNX Runtime whether the custom ops ran: they change every figure."""
     active = results["custom_ops"]
-    return f"executor {results['executor']}" + ("" if active is None else f", custom ops {'on' if active else 'off'}")
+    precision = f", {results.get('dtype', 'float32')}, quantization {results.get('quantization', 'none')}"
+    return (f"executor {results['executor']}" + ("" if active is None else f", custom ops {'on' if active else 'off'}")
+            + precision)
 
 
 def text_table(results: dict[str, Any]) -> str:

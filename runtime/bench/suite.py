@@ -19,6 +19,7 @@ import onnxruntime as ort
 from artifact.manifest import Manifest
 from graphs.contract import PREFILL
 from runtime.bench import micro, workloads
+from runtime.bench.kernels import profile_kernels
 from runtime.bench.metrics import RunRecord, peak_rss_bytes, percentile
 from runtime.bench.naive import NaiveRunner
 from runtime.bench.runner import run_engine, warm_up
@@ -119,8 +120,11 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
 
 def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]:
     """Run everything `options` asks for; returns the JSON-ready results (see docs/performance.md for the keys)."""
+    manifest = Manifest.load(Path(options.artifact), verify=False)
     results: dict[str, Any] = {"workload": options.workload, "executor": options.executor,
-                               "options": asdict(options), "machine": _machine()}
+                               "options": asdict(options), "machine": _machine(), "dtype": manifest.dtype,
+                               "quantization": manifest.quantization, "weight_formats": manifest.weight_formats}
+
     if options.workload == "stress":
         results.update(_stress(options, log))
         results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
@@ -148,6 +152,9 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
                        cpu_speedup_vs_naive=figures["cpu_s"] / results["cpu_s"])
     if options.micro:
         results.update(_micro(options, naive, vocab_size, log))
+    if options.executor == "onnxruntime":  # last: its session must not raise the engine's peak RSS
+        print("profiling one decode and one prefill step (which kernels run) ...", file=log)
+        results["kernels"] = profile_kernels(Path(options.artifact), options.threads, options.custom_ops)
     results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     return results
 

@@ -30,7 +30,7 @@ def build_app(deployment: Deployment, source: str) -> FastAPI:
     config = engine_config(deployment, Manifest.load(artifact, verify=False), source)
     engine = LLMEngine(artifact, config)
     gears = engine.packer.gears
-    log.info("serving %s from %s", deployment.model_name, artifact)
+    log.info("serving %s from %s (%s)", deployment.model_name, artifact, engine.manifest.precision())
     log.info("buckets: prefill T=%s (B<=%d), decode B=%s, context M=%s; %d prefill + %d decode gears",
              sorted({g.tokens for g in gears[PREFILL]}), max(g.seqs for g in gears[PREFILL]),
              sorted({g.seqs for g in gears[DECODE]}), sorted({g.blocks for g in gears[PREFILL] + gears[DECODE]}),
