@@ -400,7 +400,8 @@ class LLMEngine:
         custom = self.executor.custom_ops
         return RuntimeInfo(executor=self.executor_name, custom_ops=True if custom is None else bool(custom),
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
-                           kv_cache_dtype=self.manifest.dtype, quantization=None)
+                           kv_cache_dtype=self.manifest.dtype,
+                           quantization=None if self.manifest.quantization == "none" else self.manifest.quantization)
 
 
 class LLM:

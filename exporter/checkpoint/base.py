@@ -5,8 +5,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
-
 from graphs.config import ModelConfig
 from graphs.quant import Weight
 

@@ -28,8 +28,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
-    """Bytes [..., run] -> codes [..., 2 * run]: the low nibbles of `run` bytes, then their high nibbles."""
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., r] -> codes [..., 2r]: the low nibbles of the r bytes, then their high nibbles."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
@@ -41,7 +41,7 @@ def from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> BlockQuanti
         head = 2 if qtype == Q.Q4_0 else 4
         blocks = raw.reshape(n, k // 32, head + 16)
         scale = _f16(blocks[..., :2]).reshape(n, -1)
-        q = _nibbles(blocks[..., head:], 16).reshape(n, k)
+        q = _nibbles(blocks[..., head:]).reshape(n, k)
         if qtype == Q.Q4_0:
             return BlockQuantized(q, scale, np.full(scale.shape, 8, np.uint8), None, 4, 32, "Q4_0")
         minimum = _f16(blocks[..., 2:4]).reshape(n, -1)
@@ -57,7 +57,7 @@ def from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> BlockQuanti
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
         scale = (d * sc.astype(np.float32)).reshape(n, -1)
         minimum = -(dmin * m.astype(np.float32)).reshape(n, -1)
-        q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32), 32).reshape(n, k)
+        q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(n, k)
         return BlockQuantized(q, scale, np.zeros(scale.shape, np.uint8), minimum, 4, 32, "Q4_K")
     if qtype == Q.Q6_K:
         blocks = raw.reshape(n * (k // 256), 210)

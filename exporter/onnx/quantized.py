@@ -11,18 +11,24 @@ dequantized in gguf's order of operations ((code - zero point) * scale + minimum
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 from onnx import TensorProto
 
-if TYPE_CHECKING:
-    from exporter.onnx.lowering import OnnxGraph
+from exporter.onnx.nodes import Nodes
 
 MS_DOMAIN = "com.microsoft"
 
 
-def linear_block_quantized(g: "OnnxGraph", inputs: Sequence[str | None], attrs: Any) -> list[str]:
+class OnnxGraph(Protocol):
+    """What these bodies write into (exporter.onnx.lowering.OnnxGraph): nodes and the opsets they use."""
+
+    n: Nodes
+    opsets: dict[str, int]
+
+
+def linear_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:
     x, codes, scales, zero_points, minimum, bias = inputs
     n = g.n
     g.opsets.setdefault(MS_DOMAIN, 1)
@@ -36,7 +42,7 @@ def linear_block_quantized(g: "OnnxGraph", inputs: Sequence[str | None], attrs: 
     return [n.op("Add", out, bias) if bias else out]
 
 
-def gather_block_quantized(g: "OnnxGraph", inputs: Sequence[str | None], attrs: Any) -> list[str]:
+def gather_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:
     codes, scales, zero_points, minimum, indices = inputs
     n = g.n
     blocks = attrs.K // attrs.block_size
