@@ -54,7 +54,11 @@ def _grammar_text(constraint: Constraint) -> str:
     if kind == "choice":
         return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(spec)))
     if kind == "grammar":
-        return matcher.grammar_from_lark(any_to_lark(spec))
+        try:
+            lark = any_to_lark(spec)
+        except Exception as exc:  # its GBNF converter raises bare Exceptions
+            raise ValueError(str(exc)) from None
+        return matcher.grammar_from_lark(lark)
     if kind == "lark":
         return matcher.grammar_from_lark(spec)
     raise ValueError(f"unknown constraint kind {kind!r}")

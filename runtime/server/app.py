@@ -30,12 +30,15 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.deploy_config import Deployment
 from runtime.engine import RequestOutput
+from runtime.constraints import ConstraintError
 from runtime.sampling_params import RequestError, SamplingParams, resolve_max_tokens
 from runtime.server import metrics
 from runtime.server.body_limit import BodyLimit
 from runtime.server.engine_loop import EngineLoop, RequestHandle
 from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      SamplingFields, TokenizeRequest)
+from runtime.server.tool_calls import (ToolChatFormat, ToolRequest, structured_output, template_takes_tools,
+                                       tool_request)
 from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
@@ -83,6 +86,7 @@ class Frontend:
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
         self.max_prompt_chars = self._max_prompt_chars()
+        self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
         self.metrics = metrics.Metrics(self.model, self.max_model_len)
         self.runtime = self.loop.engine.runtime_info().to_dict()
 
@@ -120,7 +124,7 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
 
     def _params(self, body: SamplingFields, num_prompt: int, max_tokens: int | None,
-                logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, tools: ToolRequest | None = None) -> SamplingParams:
         try:
             max_tokens = resolve_max_tokens(max_tokens, num_prompt, self.max_model_len, self.default_max_tokens)
         except RequestError as exc:
@@ -128,18 +132,35 @@ class Frontend:
         if body.n > self.max_n:
             raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
                                 "deployment runs)", param="n")
-        given = {"max_tokens": max_tokens, "logprobs": logprobs}
+        try:
+            constraint = structured_output(body, tools)
+        except ConstraintError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+        given = {"max_tokens": max_tokens, "logprobs": logprobs, "structured_output": constraint}
         try:
             return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None},
                                      **body.sampling()})
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
 
+    async def _compile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar on the tokenizer thread (cached for the engine), so a bad one is a 400
+        and a large one never stalls the engine loop."""
+        if params.structured_output is None:
+            return
+        compile_ = partial(self.loop.engine.structured.compiler.compile, params.structured_output)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._tokenize, compile_)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+
     async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
-                       max_tokens: int | None, logprobs: int | None, prompt_text: str) -> Response:
+                       max_tokens: int | None, logprobs: int | None, prompt_text: str,
+                       tools: ToolRequest | None = None) -> Response:
         if len(ids) >= self.max_model_len:
             raise self._too_long(f"{len(ids)} tokens", prompt_field)
-        params = self._params(body, len(ids), max_tokens, logprobs)
+        params = self._params(body, len(ids), max_tokens, logprobs, tools)
+        await self._compile(params)
         self.check_admitting()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
             self.counters.rejected += 1
@@ -293,17 +314,19 @@ class Frontend:
         self.check_admitting()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = [m.plain() for m in body.messages]
-        render = partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+        tools = tool_request(body, self.tokenizer)
+        messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
+        render = partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True, **variables)
         try:
             text = await asyncio.get_running_loop().run_in_executor(self._tokenize, render)
         except (ValueError, jinja2.TemplateError) as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         ids = await self.encode(text, "messages", add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        fmt = ChatFormat(self.model, self.tokenizer, logprobs)
+        fmt = ToolChatFormat(self.model, self.tokenizer, logprobs, tools.parser) if tools.active else \
+            ChatFormat(self.model, self.tokenizer, logprobs)
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs, text)
+        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs, text, tools)
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""

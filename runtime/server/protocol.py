@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from runtime.constraints import Constraint, ConstraintError
+
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -49,6 +50,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _Part(BaseModel):
+    """A nested object of a request body: unknown fields are errors there too."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema; `schema` is held as `schema_` (pydantic reserves the name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Part):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint("json_object", "", "response_format")
+        if self.json_schema is not None:
+            return Constraint.json_schema(self.json_schema.schema_, "response_format.json_schema.schema",
+                                          strict=self.json_schema.strict is not False)
+        return None
+
+
 class SamplingFields(_Body):
     """Fields shared by both endpoints; None means "use the deployment's default"."""
 
@@ -72,6 +109,18 @@ class SamplingFields(_Body):
     min_p: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's StructuredOutputsParams: one of json | regex | choice | grammar | json_object (+ its options)
+    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match; raises ConstraintError naming the field."""
+        given = [c for c in (self.response_format.constraint() if self.response_format else None,
+                             Constraint.from_vllm(self.structured_outputs) if self.structured_outputs else None)
+                 if c is not None]
+        if len(given) > 1:
+            raise ConstraintError("structured_outputs", "give either response_format or structured_outputs, not both")
+        return given[0] if given else None
 
     def sampling(self) -> dict[str, Any]:
         """The fields SamplingParams takes as they are; None ones are left to the deployment's defaults."""
@@ -105,22 +154,70 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(_Part):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Part):
+    """A call the assistant made earlier in the conversation, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError('tool messages need tool_call_id (the id of the call they answer), and only they take it')
+        return self
 
     def plain(self) -> dict[str, Any]:
         """The message as the chat template sees it: content parts joined into one string."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Part):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Part):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Part):
+    name: str
+
+
+class NamedToolChoice(_Part):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -128,7 +225,27 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools ({', '.join(names)})")
+        return choice
 
 
 class TokenizeRequest(_Body):
