@@ -65,35 +65,20 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
 
 def test_eval_matches_transformers_fp32(smollm2_artifact: Path) -> None:
     """Perplexity of the held-out text's first ~320 tokens equals HF transformers' fp32 on the GGUF's weights."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from exporter.checkpoint.gguf_reader import default_model_path
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from scripts.hf_perplexity import hf_perplexity, load
 
     text = shipped_text("heldout")[:1500]
     ours = evaluate_text(smollm2_artifact, text, context=128, stride=64)
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model, tokenizer = load()
     ids = tokenizer(text)["input_ids"]
     assert len(ids) == ours.num_tokens
-    nll, scored, prev_end = 0.0, 0, 0
-    with torch.inference_mode():
-        for begin in range(0, len(ids), 64):
-            end = min(begin + 128, len(ids))
-            window = torch.tensor([ids[begin:end]])
-            logp = torch.log_softmax(model(window).logits[0].double(), dim=-1)
-            for target in range(max(prev_end, begin + 1), end):
-                nll -= float(logp[target - begin - 1, ids[target]])
-                scored += 1
-            prev_end = end
-            if end == len(ids):
-                break
+    theirs, scored = hf_perplexity(model, ids, context=128, stride=64)
     assert ours.num_scored == scored
     # Both fp32, different summation orders: measured 4e-7 relative (50.95065 vs 50.95066). One token scored
     # from a wrong row would move this perplexity by about 1e-2.
-    assert ours.perplexity == pytest.approx(math.exp(nll / scored), rel=2e-5)
+    assert ours.perplexity == pytest.approx(theirs, rel=2e-5)
 
 
 def test_shipped_texts_are_separate_and_sized() -> None:
