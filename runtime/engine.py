@@ -129,7 +129,6 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
         self.artifact = Path(artifact)
-        self.config = config
         self.manifest = Manifest.load(self.artifact)
         if config.gears is not None:
             self.manifest = replace(self.manifest, families={name: replace(f, gears=tuple(config.gears[name]))

@@ -42,8 +42,11 @@ class PerplexityResult:
     stride: int
     num_windows: int
     executor: str
+    custom_ops: bool
     dtype: str
     quantization: str
+    kv_cache_dtype: str
+    precision: str  # the manifest's one-line summary (weight forms included)
     windows: list[Window] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,13 +93,13 @@ def perplexity(engine: LLMEngine, token_ids: list[int], context: int, stride: in
             for position in range(w.first_scored, w.end):
                 nll -= out.prompt_logprobs[position - w.begin][token_ids[position]].logprob
             scored += w.scored
-    manifest = engine.manifest
-    model = manifest.export_config.get("model", {})
+    info = engine.runtime_info()
     return PerplexityResult(
         artifact=str(engine.artifact), perplexity=math.exp(nll / scored), nll=nll / scored,
         num_tokens=len(token_ids), num_scored=scored, context=context, stride=stride, num_windows=len(windows),
-        executor=engine.config.executor, dtype=manifest.dtype, quantization=str(model.get("quantization", "none")),
-        windows=windows)
+        executor=info.executor, custom_ops=info.custom_ops, dtype=info.dtype,
+        quantization=info.quantization or "none", kv_cache_dtype=info.kv_cache_dtype,
+        precision=engine.manifest.precision(), windows=windows)
 
 
 def evaluate_text(artifact: str | Path, text: str, context: int = 512, stride: int | None = None,
@@ -115,8 +118,9 @@ def evaluate_artifacts(artifacts: list[str], text: str, context: int = 512, stri
 def ratio_table(results: list[PerplexityResult]) -> str:
     """One line per run: perplexity and its ratio to the first run (the fp32 baseline)."""
     base = results[0].perplexity
-    lines = [f"{'artifact':40} {'dtype':9} {'quant':6} {'tokens':>7} {'windows':>7} {'perplexity':>11} {'ratio':>8}"]
+    lines = [f"{'artifact':40} {'dtype':9} {'quant':6} {'kv cache':9} {'tokens':>7} {'windows':>7} "
+             f"{'perplexity':>11} {'ratio':>8}"]
     for r in results:
-        lines.append(f"{r.artifact[-40:]:40} {r.dtype:9} {r.quantization:6} {r.num_scored:7d} {r.num_windows:7d} "
-                     f"{r.perplexity:11.4f} {r.perplexity / base:8.5f}")
+        lines.append(f"{r.artifact[-40:]:40} {r.dtype:9} {r.quantization:6} {r.kv_cache_dtype:9} {r.num_scored:7d} "
+                     f"{r.num_windows:7d} {r.perplexity:11.4f} {r.perplexity / base:8.5f}")
     return "\n".join(lines)

@@ -59,7 +59,9 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
             break
     assert (run["num_tokens"], run["num_scored"], run["context"], run["stride"]) == (len(ids), scored, 12, 8)
     assert run["num_windows"] == len(run["windows"]) == math.ceil((len(ids) - 12) / 8) + 1
-    assert run["dtype"] == "float32" and run["executor"] == "onnxruntime" and run["ratio"] == 1.0
+    precision = (run["dtype"], run["quantization"], run["kv_cache_dtype"], run["executor"])
+    assert precision == ("float32", "none", "float32", "onnxruntime")
+    assert run["ratio"] == 1.0 and run["precision"].startswith("float32, quantization none")
     assert run["perplexity"] == pytest.approx(math.exp(nll / scored), rel=1e-5)
 
 
