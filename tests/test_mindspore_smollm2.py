@@ -1,5 +1,6 @@
 """The real model (SmolLM2-135M) through the CPU MINDIR graphs: greedy tokens equal ONNX Runtime's and the
-HF reference (tests/data/reference_smollm2.json), logits equal ONNX Runtime's within about 2e-4 at every step.
+HF reference (tests/data/reference_smollm2.json), logits equal ONNX Runtime's at every step within 4e-5 of
+each row's largest logit.
 
 Two gears keep it quick (each 30-layer graph compiles in seconds): one prefill gear that also
 takes chunks and mixed steps, one decode gear.
@@ -24,6 +25,7 @@ from tests.test_reference_e2e import _matches_reference  # noqa: E402
 REFERENCE = Path(__file__).parent / "data" / "reference_smollm2.json"
 NEW_TOKENS = 16
 GEARS = {Gear(64, 8, 4), Gear(8, 8, 4)}
+ROW_RELATIVE_TOLERANCE = 4e-5
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,15 @@ def test_mindspore_executor_matches_onnxruntime_and_hf(artifact: Path) -> None:
     for tokens, ref in zip(ms_tokens, reference):
         ok, why = _matches_reference(tokens, ref["token_ids"][:NEW_TOKENS], ref["top2_gap"])
         assert ok, why
-    # 30 layers of float32 matmuls summed in other orders (oneDNN vs MLAS, and ONNX Runtime's attention
-    # as our custom-op kernel's online softmax): measured worst 1.1e-4 on logits of magnitude ~20, so
-    # 2e-4 plus a 1e-5 relative allowance.
+    # 30 layers of float32 matmuls summed in other orders (oneDNN vs MLAS, ONNX Runtime's attention as our
+    # kernel's online softmax): a rounding error scales with the magnitude of what is summed, i.e. with the
+    # row's logits, not with each (possibly tiny) logit, so the bound is relative to the row's largest one.
+    # Observed worst differences: docs/performance.md, "The op registry"; the bound is about 2.5x the worst.
     for (gear, a), (_, b) in zip(ms.steps, ort.steps):
-        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-5, err_msg=f"gear {gear}")
+        scale = np.abs(b).max(axis=1, keepdims=True)
+        worst = float((np.abs(a - b) / scale).max())
+        print(f"{gear}: worst |MindSpore - ONNX Runtime| = {worst:.2e} of the row's largest logit")
+        assert worst <= ROW_RELATIVE_TOLERANCE, f"gear {gear}: logits differ by {worst:.2e} of the row's largest"
 
 
 def test_bench_runs_on_the_mindspore_executor(artifact: Path) -> None:
