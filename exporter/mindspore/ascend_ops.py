@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 from mindspore.ops import auto_generate as prims
 
-from exporter.mindspore.common_ops import COMMON
+from exporter.mindspore.common_ops import COMMON, Body
 from graphs import ops as op_set
 from graphs.ops.op import Lowering
 
@@ -25,7 +25,7 @@ _CAUSAL_MASK_SIZE = 2048
 _MASKED = -10000.0
 
 
-class RmsNorm(nn.Cell):
+class RmsNorm(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.norm = prims.RmsNorm(attrs.epsilon)
@@ -34,7 +34,7 @@ class RmsNorm(nn.Cell):
         return self.norm(x, weight)[0]
 
 
-class Rope(nn.Cell):
+class Rope(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.head_dim = attrs.head_dim
@@ -51,7 +51,7 @@ class Rope(nn.Cell):
         return ops.reshape(out, (tokens, -1))
 
 
-class SwiGLU(nn.Cell):
+class SwiGLU(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.swiglu = prims.Swiglu()
@@ -60,7 +60,7 @@ class SwiGLU(nn.Cell):
         return self.swiglu(x, -1)
 
 
-class ReshapeAndCache(nn.Cell):
+class ReshapeAndCache(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.write = prims.ReshapeAndCache()
@@ -70,7 +70,7 @@ class ReshapeAndCache(nn.Cell):
         return ops.depend(k_cache, token), ops.depend(v_cache, token)
 
 
-class PagedAttention(nn.Cell):
+class PagedAttention(Body):
     """`target.multi_query`: the prefill family, whose sequences feed several queries (q_seq_lens + mask)."""
 
     def __init__(self, attrs: Any, target: Any) -> None:
@@ -101,7 +101,7 @@ class PagedAttention(nn.Cell):
         return ops.cast(hidden, mstype.float16) * _MASKED
 
 
-class SelfAttention(nn.Cell):
+class SelfAttention(Body):
     """FlashAttentionScore in TND layout with the sequences' host lengths, as ATB's SelfAttention reads them."""
 
     def __init__(self, attrs: Any, target: Any) -> None:
@@ -121,7 +121,7 @@ class SelfAttention(nn.Cell):
         return ops.reshape(out, (tokens, -1))
 
 
-class Float32Logits(nn.Cell):
+class Float32Logits(Body):
     """The graph's logits leave in float32 (the contract), computed in float16."""
 
     def construct(self, x):

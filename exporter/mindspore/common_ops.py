@@ -8,23 +8,24 @@ from mindspore import nn, ops
 from graphs import ops as op_set
 
 
-class Gather(nn.Cell):
-    def __init__(self, attrs: Any, target: Any) -> None:
+class Body(nn.Cell):
+    """A body Cell is built from the op's typed attributes and the target (MindSporeTarget); these need neither."""
+
+    def __init__(self, attrs: Any = None, target: Any = None) -> None:
         super().__init__()
 
+
+class Gather(Body):
     def construct(self, table, indices):
         return ops.gather(table, indices, 0)
 
 
-class Add(nn.Cell):
-    def __init__(self, attrs: Any, target: Any) -> None:
-        super().__init__()
-
+class Add(Body):
     def construct(self, a, b):
         return a + b
 
 
-class Split(nn.Cell):
+class Split(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.sizes = attrs.sizes
@@ -33,7 +34,7 @@ class Split(nn.Cell):
         return ops.split(x, self.sizes, -1)
 
 
-class Linear(nn.Cell):
+class Linear(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.matmul_t = ops.MatMul(transpose_b=True)  # ATB's [out, in] weights; a tied LM head reads the embedding

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 
-from exporter.mindspore.common_ops import COMMON
+from exporter.mindspore.common_ops import COMMON, Body
 from graphs import ops as op_set
 from graphs.ops.op import Lowering
 
@@ -35,7 +35,7 @@ def _kernel(library: Path, name: str, side_effect: bool = False, **attrs: object
     return op
 
 
-class RmsNorm(nn.Cell):
+class RmsNorm(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.epsilon = attrs.epsilon
@@ -45,7 +45,7 @@ class RmsNorm(nn.Cell):
         return x / ops.sqrt(variance + self.epsilon) * weight
 
 
-class Rope(nn.Cell):
+class Rope(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.head_dim = attrs.head_dim
@@ -62,16 +62,13 @@ class Rope(nn.Cell):
         return ops.reshape(out, (tokens, -1))
 
 
-class SwiGLU(nn.Cell):
-    def __init__(self, attrs: Any, target: Any) -> None:
-        super().__init__()
-
+class SwiGLU(Body):
     def construct(self, x):
         gate, up = ops.split(x, x.shape[-1] // 2, -1)
         return gate * ops.sigmoid(gate) * up
 
 
-class ReshapeAndCache(nn.Cell):
+class ReshapeAndCache(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.write = _kernel(target.library, "ReshapeAndCache", side_effect=True)
@@ -81,7 +78,7 @@ class ReshapeAndCache(nn.Cell):
         return ops.depend(k_cache, token), ops.depend(v_cache, token)
 
 
-class PagedAttention(nn.Cell):
+class PagedAttention(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.kernel = _kernel(target.library, "PagedAttention", head_num=attrs.head_num,
@@ -94,7 +91,7 @@ class PagedAttention(nn.Cell):
         return self.kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, self.dims, self.scale)
 
 
-class SelfAttention(nn.Cell):
+class SelfAttention(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         self.kernel = _kernel(target.library, "SelfAttention", head_num=attrs.head_num,
