@@ -113,9 +113,10 @@ def _body(kernel: Callable[..., Any]) -> KernelBody:
     return lambda inputs, attrs: kernel(*inputs, **dataclasses.asdict(attrs))
 
 
-KERNELS: Lowering[KernelBody] = Lowering("kernels", "kernels/*.cc (C API: kernels/kernels.h, numpy: kernels/binding.py)", {
-    ops.RESHAPE_AND_CACHE: _body(reshape_and_cache), ops.PAGED_ATTENTION: _body(paged_attention),
-    ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu)},
+KERNELS: Lowering[KernelBody] = Lowering(
+    "kernels", "kernels/*.cc (C API: kernels/kernels.h, ctypes: kernels/binding.py)",
+    {ops.RESHAPE_AND_CACHE: _body(reshape_and_cache), ops.PAGED_ATTENTION: _body(paged_attention),
+     ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu)},
     partial=True)
 
 

@@ -214,7 +214,7 @@ def test_every_op_has_examples_that_fit_its_declaration() -> None:
 def test_design_doc_table_is_current() -> None:
     doc = (REPO / "docs" / "design.md").read_text()
     assert BEGIN in doc and END in doc
-    assert with_table(doc) == doc, "docs/design.md's op table is stale: python -m exporter.lowerings --write docs/design.md"
+    assert with_table(doc) == doc, "the op table is stale: python -m exporter.lowerings --write docs/design.md"
 
 
 def test_declarations_reject_wrong_attributes_and_shapes() -> None:

@@ -68,7 +68,8 @@ class MindSporeBuilder:
     def _call(self, cell: str, *args: Var | None, outputs: int = 1) -> list[Var]:
         names = [Var(f"v{len(self.lines)}_{i}") for i in range(outputs)]
         rendered = ", ".join(a.code if isinstance(a, Var) else repr(a) for a in args)
-        self.lines.append(f"{', '.join(v.code for v in names)}{',' if outputs > 1 else ''} = self.{cell}.construct({rendered})")
+        targets = f"{', '.join(v.code for v in names)}{',' if outputs > 1 else ''}"
+        self.lines.append(f"{targets} = self.{cell}.construct({rendered})")
         return names
 
     def emit(self, op: Op, *inputs: Var | None, **attrs: Any) -> Any:

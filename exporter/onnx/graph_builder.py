@@ -91,6 +91,6 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
         builder.n.rename(value, out)
     infos = [helper.make_tensor_value_info(name, _NP_TO_ONNX[x.dtype], [f"{name}_{i}" for i in range(x.ndim)])
              for name, x in zip(names, inputs) if x is not None]
-    outs = [helper.make_tensor_value_info(o, _NP_TO_ONNX[np.dtype(t.dtypes[0])], [f"{o}_{i}" for i in range(len(t.shape))])
-            for o, t in zip(out_names, specs)]
+    outs = [helper.make_tensor_value_info(o, _NP_TO_ONNX[np.dtype(t.dtypes[0])],
+                                          [f"{o}_{i}" for i in range(len(t.shape))]) for o, t in zip(out_names, specs)]
     return _model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)

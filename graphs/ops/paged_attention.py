@@ -62,10 +62,11 @@ def _examples() -> Iterator[Example]:
     yield Example(step, smollm, label="SmolLM2 heads, mixed", **tolerance)
     for lo, hi, label in ((0, 3, "prefill chunks only"), (3, 6, "decodes only")):
         query, k, v, tables, ctx, cu = step
-        yield Example((query[cu[lo]:cu[hi]], k, v, tables[lo:hi], ctx[lo:hi], (cu[lo:hi + 1] - cu[lo]).astype(np.int32)),
-                      smollm, label=label, **tolerance)
-    yield Example(packed_step(rng, [150, 1], [300, 77], heads=9, kv_heads=3, head_dim=64, block_size=16,
-                              max_blocks=20, pad_tokens=2), smollm, label="long chunk after a cached prefix", **tolerance)
+        sub_cu = (cu[lo:hi + 1] - cu[lo]).astype(np.int32)
+        yield Example((query[cu[lo]:cu[hi]], k, v, tables[lo:hi], ctx[lo:hi], sub_cu), smollm, label=label, **tolerance)
+    long_chunk = packed_step(rng, [150, 1], [300, 77], heads=9, kv_heads=3, head_dim=64, block_size=16,
+                             max_blocks=20, pad_tokens=2)
+    yield Example(long_chunk, smollm, label="long chunk after a cached prefix", **tolerance)
     for context in ([700], [64, 200, 129], [1000] * 9):  # few decodes: keys split across threads
         yield Example(packed_step(rng, [1] * len(context), context, heads=9, kv_heads=3, head_dim=64, block_size=16,
                                   max_blocks=-(-max(context) // 16)), smollm, label=f"decodes at {context[:3]}",

@@ -24,7 +24,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, epsilon: float) -> np.ndarray:
 def _examples() -> Iterator[Example]:
     rng = np.random.default_rng(0)
     for tokens, width in ((7, 48), (300, 576)):
-        yield Example((normal(rng, tokens, width), normal(rng, width)), dict(epsilon=1e-5), label=f"[{tokens}, {width}]")
+        yield Example((normal(rng, tokens, width), normal(rng, width)), dict(epsilon=1e-5),
+                      label=f"[{tokens}, {width}]")
 
 
 RMS_NORM = Op(
