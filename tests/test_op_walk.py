@@ -28,7 +28,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from exporter.lowerings import BEGIN, END, lowerings, registry_report, with_table
-from exporter.onnx.graph_builder import _NP_TO_ONNX, _model, op_model
+from exporter.onnx.graph_builder import NP_TO_ONNX, make_model, op_model
 from graphs import ops
 from graphs.config import ModelConfig
 from graphs.contract import INPUT_IDS
@@ -119,10 +119,10 @@ def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.nd
     outs = [f"out_{i}" for i in range(len(op.outputs))]
     for value, name in zip([out] if isinstance(out, str) else out, outs):
         builder.n.rename(value, name)
-    infos = [helper.make_tensor_value_info(k, _NP_TO_ONNX[v.dtype], list(v.shape)) for k, v in inputs.items()]
+    infos = [helper.make_tensor_value_info(k, NP_TO_ONNX[v.dtype], list(v.shape)) for k, v in inputs.items()]
     graph = helper.make_graph(builder.n.nodes, op.key, infos,
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
-    session = ort.InferenceSession(_model(graph, builder).SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(make_model(graph, builder).SerializeToString(), providers=["CPUExecutionProvider"])
     used = {i.name for i in session.get_inputs()}
     return session.run(None, {k: v for k, v in inputs.items() if k in used}), expected
 

@@ -13,7 +13,7 @@ from graphs.config import ModelConfig
 from graphs.ops.op import Lowering, Op
 
 IR_VERSION = 10
-_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
                np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8}
 
@@ -38,7 +38,7 @@ class OnnxBuilder(OnnxGraph):
     def input(self, name: str) -> str:
         if name not in self.inputs:
             if name in c.INPUT_DTYPES:
-                info = helper.make_tensor_value_info(name, _NP_TO_ONNX[np.dtype(c.INPUT_DTYPES[name])],
+                info = helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(c.INPUT_DTYPES[name])],
                                                      list(c.INPUT_DIMS[name]))
             else:  # a KV pool
                 info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", self.config.kv_size])
@@ -63,10 +63,11 @@ class OnnxBuilder(OnnxGraph):
             self.n.rename(value, output_name)
         initializers = [numpy_helper.from_array(self.weights[w], w) for w in self.used_weights]
         graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs, initializers)
-        return _model(graph, self)
+        return make_model(graph, self)
 
 
-def _model(graph: onnx.GraphProto, built: OnnxGraph) -> onnx.ModelProto:
+def make_model(graph: onnx.GraphProto, built: OnnxGraph) -> onnx.ModelProto:
+    """The model around `graph`: the opsets and model-local functions its bodies used."""
     return helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid(domain, version) for domain, version in built.opsets.items()],
@@ -89,8 +90,8 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
     out_names = [f"{t.name}_{i}" if t.variadic else t.name for i, t in enumerate(specs)]
     for value, out in zip(outputs, out_names):
         builder.n.rename(value, out)
-    infos = [helper.make_tensor_value_info(name, _NP_TO_ONNX[x.dtype], [f"{name}_{i}" for i in range(x.ndim)])
+    infos = [helper.make_tensor_value_info(name, NP_TO_ONNX[x.dtype], [f"{name}_{i}" for i in range(x.ndim)])
              for name, x in zip(names, inputs) if x is not None]
-    outs = [helper.make_tensor_value_info(o, _NP_TO_ONNX[np.dtype(t.dtypes[0])],
+    outs = [helper.make_tensor_value_info(o, NP_TO_ONNX[np.dtype(t.dtypes[0])],
                                           [f"{o}_{i}" for i in range(len(t.shape))]) for o, t in zip(out_names, specs)]
-    return _model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)
+    return make_model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)
