@@ -10,6 +10,12 @@ from artifact.settings import Settings
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 DEFAULT_PREFILL_TOKENS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
+# Exports with MINDIR (one static graph per gear, compiled one by one): 3-4 gears per dimension, as ATC's
+# guidance for dynamic dims recommends. Used when the YAML leaves export.buckets out; their padding cost is in
+# docs/performance.md.
+MINDIR_DECODE_BATCHES = (1, 4, 16, 64)
+MINDIR_PREFILL_TOKENS = (32, 128, 512, 2048)
+MINDIR_CONTEXT_STEPS = 3  # context_blocks: this many, x4 apart, ending at max_model_len / block_size
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -71,6 +77,9 @@ class ExportOptions(Settings):
     verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")
     baseline: Literal["naive"] | None = Field(
         None, description="also write graphs/naive.onnx: the contiguous-cache baseline of `pagedgraph bench`")
+    mindir_workers: int | None = Field(
+        None, ge=1, description="processes compiling MINDIR gears in parallel; default: one per core, as many "
+                                "as fit in the available memory")
     accuracy_level: Literal[0, 4] = Field(
         0, description="quantized weights: MatMulNBits' compute, 0 = float32 on the dequantized blocks, 4 = int8 "
                        "activations per block (faster decode, not bit-faithful)")

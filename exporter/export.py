@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -21,7 +22,8 @@ from artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from exporter.buckets import plan_gears
 from exporter.checkpoint import read_checkpoint
 from exporter.checkpoint.base import Checkpoint
-from exporter.config import ExportConfig
+from exporter.config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
+                             ExportConfig)
 from exporter.onnx.contiguous import naive_model
 from exporter.onnx.graph_builder import OnnxBuilder
 from exporter.quantize import quantize_weights
@@ -62,11 +64,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     checkpoint = _quantized(read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf"),
                             config, log)
     model = checkpoint.config
-    positions = model.max_position_embeddings
-    if "max_model_len" not in config.export.model_fields_set and positions < config.export.max_model_len:
-        # Left out, export.max_model_len is at most what the model was trained for (as vLLM derives it).
-        print(f"export.max_model_len: {positions} (the model's max_position_embeddings)", file=log)
-        config = config.model_copy(update={"export": config.export.model_copy(update={"max_model_len": positions})})
+    config = _implied_defaults(config, model, log)
     options = config.export
     gears = plan_gears(model, options)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +78,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         if "mindir" in options.formats:
             from exporter.mindspore.export import write_mindir
 
-            write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log)
+            write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
+                         options.mindir_workers)
         if options.baseline == "naive":
             _write_naive(model, options.block_size, staging)
         write_tokenizer(checkpoint.tokenizer, staging)
@@ -103,6 +102,26 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         raise
     _summary(out_dir, manifest, reports, time.perf_counter() - started, log, verbose)
     return manifest
+
+
+def _implied_defaults(config: ExportConfig, model: ModelConfig, log: TextIO) -> ExportConfig:
+    """Defaults that depend on the model or the formats, for keys the YAML leaves out (recorded in the
+    artifact's export config as used): max_model_len at most the model's max_position_embeddings (as vLLM
+    derives it), and with MINDIR and no export.buckets the short ATC-style ladders of exporter.config."""
+    options, update = config.export, {}
+    if "max_model_len" not in options.model_fields_set and model.max_position_embeddings < options.max_model_len:
+        update["max_model_len"] = model.max_position_embeddings
+        print(f"export.max_model_len: {model.max_position_embeddings} (the model's max_position_embeddings)", file=log)
+    if "mindir" in options.formats and "buckets" not in options.model_fields_set:
+        needed = math.ceil(update.get("max_model_len", options.max_model_len) / options.block_size)
+        short = {"decode_batch": list(MINDIR_DECODE_BATCHES), "prefill_tokens": list(MINDIR_PREFILL_TOKENS),
+                 "context_blocks": sorted({max(1, needed // 4 ** i) for i in range(MINDIR_CONTEXT_STEPS)})}
+        print("MINDIR ladders (3-4 gears per dimension, as ATC recommends; set export.buckets to choose): "
+              + "; ".join(f"{name} {ladder}" for name, ladder in short.items()), file=log)
+        update["buckets"] = options.buckets.model_copy(update=short)
+    if not update:
+        return config
+    return config.model_copy(update={"export": options.model_copy(update=update)})
 
 
 def check_out_dir(out_dir: Path, source: str, force: bool = False) -> None:

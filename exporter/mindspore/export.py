@@ -6,55 +6,147 @@ ATB-backed primitives, weights are Parameters whose data lives once in the share
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
-import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, gear_key, import_mindspore,
+from artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, WeightEntry, gear_key, import_mindspore,
                              write_weights)
 from exporter.checkpoint.base import Checkpoint
 from exporter.mindspore.builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
 from graphs import contract as c
 from graphs import llama
+from graphs.config import ModelConfig
 from graphs.contract import DECODE, Gear
 
 DTYPES = {"cpu": np.float32, "ascend": np.float16}
+COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a compile worker needs, picklable: it builds its own cells and reads the weights back from `out`."""
+
+    model: ModelConfig
+    block_size: int
+    target: str
+    out: str
+    scratch: str  # generated Cell sources go here
+    entries: dict[str, WeightEntry]
+    pool_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    family: str
+    key: str
+    rel: str
+    inputs: tuple[str, ...]
+    weights: tuple[str, ...]
+
+
+_WORKER: dict[str, Any] = {}  # per process: the job, mindspore, the weights and the cells built so far
 
 
 def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max_positions: int, block_size: int,
-                 target: str, out: Path, log: TextIO) -> MindirIndex:
-    """Write graphs/mindir/ under `out` for every gear; returns the index it wrote."""
-    ms = import_mindspore("--format mindir")
+                 target: str, out: Path, log: TextIO, workers: int | None = None) -> MindirIndex:
+    """Write graphs/mindir/ under `out` for every gear; returns the index it wrote.
+
+    The gears compile in `workers` processes (default: `default_workers`, bounded by the cores and the
+    available memory), each building a family's Cell once and reading the weights back from the shared
+    weights file; a progress bar with an ETA goes to `log`.
+    """
+    from tqdm import tqdm
+
+    import_mindspore("--format mindir")
     model = checkpoint.config
     dtype = DTYPES[target]
     weights = {k: w.astype(dtype) for k, w in llama.graph_weights(model, checkpoint.tensors, max_positions).items()}
     (out / DIRECTORY).mkdir(parents=True, exist_ok=True)
     entries = write_weights(out / WEIGHTS, weights)
+    weight_bytes = sum(w.nbytes for w in weights.values())
+    del weights  # the workers read them back from the file
     num_blocks = max(g.blocks for family in gears.values() for g in family) + 1  # nominal; bound at load
     pool_shape = ((num_blocks * block_size, model.kv_size) if target == "cpu"
                   else (num_blocks, block_size, model.num_kv_heads, model.head_dim))
-    graphs: dict[str, dict[str, str]] = {}
-    inputs: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch:
-        for family, family_gears in gears.items():
-            cell, builder = _bucket_cell(model, block_size, target, family, weights, Path(scratch))
-            inputs = builder.inputs
-            for gear in family_gears:
-                started = time.perf_counter()
-                rel = f"{DIRECTORY}/{family}_{gear_key(gear)}.mindir"
-                args = _example_args(ms, gear, builder, pool_shape, dtype, weights)
-                _export(ms, cell, args, out / rel, entries if target == "ascend" else None)
-                graphs.setdefault(family, {})[gear_key(gear)] = rel
-                print(f"mindir {target} {family} {gear_key(gear)} ({time.perf_counter() - started:.1f}s)", file=log)
-    weight_order = {name: entries[name] for name in builder.weights}
-    index = MindirIndex(target=target, dtype=np.dtype(dtype).name, inputs=tuple(inputs), weights=weight_order,
-                        pool_shape=pool_shape, graphs=graphs)
+    tasks = [(family, gear) for family, family_gears in gears.items() for gear in family_gears]
+    workers = max(1, min(workers or default_workers(weight_bytes, target), len(tasks)))
+    done: dict[tuple[str, str], _Compiled] = {}
+    with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch, \
+            tqdm(total=len(tasks), unit="gear", file=log, mininterval=1.0,
+                 desc=f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}") as bar:
+        job = _Job(model, block_size, target, str(out), scratch, entries, pool_shape)
+        if workers == 1:
+            _start_worker(job)
+            try:
+                for family, gear in tasks:
+                    result = _compile(family, gear)
+                    done[result.family, result.key] = result
+                    bar.update()
+            finally:
+                _WORKER.clear()  # the weights' copy and the cells
+        else:
+            # spawn, not fork: MindSpore's runtime threads do not survive a fork
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(workers, context, _start_worker, (job,)) as pool:
+                for future in as_completed([pool.submit(_compile, family, gear) for family, gear in tasks]):
+                    result = future.result()
+                    done[result.family, result.key] = result
+                    bar.update()
+    first = next(iter(done.values()))
+    index = MindirIndex(target=target, dtype=np.dtype(dtype).name, inputs=first.inputs,
+                        weights={name: entries[name] for name in first.weights}, pool_shape=pool_shape,
+                        graphs={family: {gear_key(g): done[family, gear_key(g)].rel for g in family_gears}
+                                for family, family_gears in gears.items()})
     (out / INDEX).write_text(index.to_json())
     return index
+
+
+def default_workers(weight_bytes: int, target: str) -> int:
+    """Compile processes: one per core, as many as fit in the available memory. A CPU-target worker holds
+    its own copy of the weights (graph inputs of the traced Cell); every worker holds a compile's working
+    set, COMPILE_BYTES (measured in docs/performance.md)."""
+    per_worker = COMPILE_BYTES + (weight_bytes if target == "cpu" else 0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, _available_memory() // per_worker))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _start_worker(job: _Job) -> None:
+    """Process initializer: mindspore and the weights (CPU target: a private copy, as graph inputs)."""
+    data = np.memmap(Path(job.out) / WEIGHTS, dtype=np.uint8, mode="r")
+    dtype = np.dtype(DTYPES[job.target])
+    views = {name: np.ndarray(e.shape, dtype, data, e.offset) for name, e in job.entries.items()}
+    _WORKER.clear()
+    _WORKER.update(job=job, ms=import_mindspore("--format mindir"), cells={},
+                   weights={k: np.array(v) for k, v in views.items()} if job.target == "cpu" else views)
+
+
+def _compile(family: str, gear: Gear) -> _Compiled:
+    """Export one gear's MINDIR (in a worker, or in-process with one worker)."""
+    job, ms, weights, cells = _WORKER["job"], _WORKER["ms"], _WORKER["weights"], _WORKER["cells"]
+    if family not in cells:
+        scratch = Path(job.scratch) / str(os.getpid())
+        scratch.mkdir(exist_ok=True)
+        cells[family] = _bucket_cell(job.model, job.block_size, job.target, family, weights, scratch)
+    cell, builder = cells[family]
+    rel = f"{DIRECTORY}/{family}_{gear_key(gear)}.mindir"
+    args = _example_args(ms, gear, builder, job.pool_shape, DTYPES[job.target], weights)
+    _export(ms, cell, args, Path(job.out) / rel, job.entries if job.target == "ascend" else None)
+    return _Compiled(family, gear_key(gear), rel, tuple(builder.inputs), tuple(builder.weights))
 
 
 def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights: dict[str, np.ndarray],
