@@ -45,6 +45,26 @@ class Manifest:
     weight_formats: dict[str, int] = field(default_factory=dict)  # checkpoint tensors per form: {"Q4_1": 210, ...}
     format_version: int = FORMAT_VERSION
     op_set_version: int = OP_SET_VERSION
+    # KV-cache dtypes the artifact has graphs for (kv_variant names them); () in older artifacts: `dtype` only.
+    kv_cache_dtypes: tuple[str, ...] = ()
+
+    @property
+    def served_kv_cache_dtypes(self) -> tuple[str, ...]:
+        return self.kv_cache_dtypes or (self.dtype,)
+
+    def kv_cache_dtype(self, requested: str, artifact: Path | str = "the artifact") -> str:
+        """`requested` (a cache dtype or "auto": the compute dtype) if the artifact has its graphs, else a clear error."""
+        dtype = self.dtype if requested == "auto" else requested
+        if dtype not in self.served_kv_cache_dtypes:
+            raise ArtifactError(
+                f"kv_cache.dtype = {requested!r}: {artifact} has graphs for the KV-cache dtypes "
+                f"{list(self.served_kv_cache_dtypes)}; choose one of them (or auto), or re-export with {dtype} in "
+                f"export.kv_cache_dtypes")
+        return dtype
+
+    def graph_for(self, family: str, kv_cache_dtype: str) -> str:
+        """The graph file of `family` whose pools hold `kv_cache_dtype`."""
+        return kv_variant(self.families[family].graph, kv_cache_dtype, self.dtype)
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
@@ -80,6 +100,7 @@ class Manifest:
                 weight_formats=dict(data.get("weight_formats", {})),
                 format_version=int(data["format_version"]),
                 op_set_version=int(data["op_set_version"]),
+                kv_cache_dtypes=tuple(data.get("kv_cache_dtypes", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"{path} is malformed ({exc}); {redo}") from exc
@@ -148,6 +169,15 @@ def fresh_sibling(path: Path) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def kv_variant(graph: str, kv_cache_dtype: str, compute_dtype: str) -> str:
+    """`graph`'s file for pools of `kv_cache_dtype`: the graph itself for the compute dtype, else
+    `<stem>.kv-<dtype>.onnx` beside it (same inputs, pools typed by the cache dtype, weights shared)."""
+    if kv_cache_dtype == compute_dtype:
+        return graph
+    stem, _, ext = graph.rpartition(".")
+    return f"{stem}.kv-{kv_cache_dtype}.{ext}"
 
 
 def file_sha256(path: Path) -> str:

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from artifact.settings import Settings
+from graphs.kv_cache import KVCacheDType
 
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
@@ -83,6 +84,13 @@ class ExportOptions(Settings):
     accuracy_level: Literal[0, 4] = Field(
         0, description="quantized weights: MatMulNBits' compute, 0 = float32 on the dequantized blocks, 4 = int8 "
                        "activations per block (faster decode, not bit-faithful)")
+    kv_cache_dtypes: list[KVCacheDType] = Field(
+        ["float32"], min_length=1, description="KV-cache dtypes the artifact can serve (deployment kv_cache.dtype): one "
+                                               "ONNX graph each, sharing the weights; must include model.dtype")
+    kv_cache_calibration: str | None = Field(
+        None, description="text file the int8 cache scales are calibrated on (default: the calibration text "
+                          "shipped with pagedgraph)")
+    kv_cache_calibration_window: int = Field(512, ge=16, description="tokens per calibration window (one prompt each)")
 
     @model_validator(mode="after")
     def _baseline_needs_onnx(self) -> "ExportOptions":
@@ -112,4 +120,17 @@ class ExportConfig(Settings):
             raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
                              f"float32 weights; with model.quantization = {model.quantization!r} remove it "
                              "(bench a float32 artifact for the baseline)")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_cache_dtypes(self) -> "ExportConfig":
+        dtypes = self.export.kv_cache_dtypes
+        if len(set(dtypes)) != len(dtypes):
+            raise ValueError(f"export.kv_cache_dtypes = {dtypes}: list each dtype once")
+        if self.model.dtype not in dtypes:
+            raise ValueError(f"export.kv_cache_dtypes = {dtypes}: must include the compute dtype model.dtype = "
+                             f"{self.model.dtype!r} (kv_cache.dtype: auto serves it); add it")
+        if dtypes != [self.model.dtype] and "onnx" not in self.export.formats:
+            raise ValueError(f"export.kv_cache_dtypes = {dtypes}: caches other than model.dtype are ONNX graphs; add "
+                             f"onnx to export.formats or keep only {self.model.dtype!r}")
         return self

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, TextIO
 import numpy as np
 import onnx
 
-from artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling
+from artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling, kv_variant
 from artifact.mindir import INDEX as MINDIR_INDEX
 from artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from exporter.buckets import plan_gears
@@ -24,6 +24,7 @@ from exporter.checkpoint import read_checkpoint
 from exporter.checkpoint.base import Checkpoint
 from exporter.config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig)
+from exporter.kv_calibration import calibrate_kv_scales
 from exporter.onnx.contiguous import naive_model
 from exporter.onnx.graph_builder import OnnxBuilder
 from exporter.quantize import quantize_weights
@@ -33,6 +34,7 @@ from graphs import llama
 from graphs.config import ModelConfig
 from graphs.contract import Gear
 from graphs.quant import BlockQuantized
+from graphs.kv_cache import cache_format
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -51,10 +53,11 @@ class GearReport:
 
 
 def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None, force: bool = False,
-           verbose: bool = False) -> Manifest:
+           verbose: bool = False, calibration_text: str | None = None) -> Manifest:
     """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind.
 
     `out_dir` must be a new path, an empty directory or an artifact (see `check_out_dir`).
+    `calibration_text`: what int8 KV-cache scales are fitted on when export.kv_cache_calibration names no file.
     """
     log = log or sys.stderr
     out_dir = Path(out_dir)
@@ -74,14 +77,16 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
         if "onnx" in options.formats:
-            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
+            forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
+            _write_kv_variants(checkpoint, config, gears, forms, staging, calibration_text, log)
         if "mindir" in options.formats:
             from exporter.mindspore.export import write_mindir
 
             write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
                          options.mindir_workers)
         if options.baseline == "naive":
-            _write_naive(model, options.block_size, staging)
+            for kv_cache_dtype in options.kv_cache_dtypes:
+                _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
@@ -93,7 +98,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
             files=files, export_config=config.model_dump(mode="json"),
             generation_defaults={name: {"value": value, "source": checkpoint.generation_source}
                                  for name, value in checkpoint.generation_defaults.items()},
-            exported_with=_versions())
+            exported_with=_versions(), kv_cache_dtypes=tuple(options.kv_cache_dtypes))
         (staging / MANIFEST).write_text(manifest.to_json())
         reports = _verify_gears(staging, manifest, log) if options.verify_gears and "onnx" in options.formats else []
         _move_into_place(staging, out_dir)
@@ -203,50 +208,119 @@ def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, out: Path) -> None:
+def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int,
+                out: Path) -> llama.WeightForms:
+    """GRAPH and WEIGHTS; returns the weights' forms (the KV-cache variants are built with the same)."""
     weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions)
+    forms = llama.WeightForms.of(weights, accuracy_level)
     builder = OnnxBuilder(checkpoint.config, llama.graph_arrays(weights))
-    llama.build(builder, checkpoint.config, block_size, llama.WeightForms.of(weights, accuracy_level))
+    llama.build(builder, checkpoint.config, block_size, forms)
     model = builder.model("pagedgraph")
     onnx.checker.check_model(model, full_check=True)
     (out / GRAPH).parent.mkdir(parents=True)
     onnx.save_model(model, out / GRAPH, save_as_external_data=True, all_tensors_to_one_file=True,
                     location=Path(WEIGHTS).name, size_threshold=0)
+    return forms
 
 
-def _write_naive(model: ModelConfig, block_size: int, out: Path) -> None:
+def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
+                       forms: llama.WeightForms, out: Path, calibration_text: str | None, log: TextIO) -> None:
+    """One graph per extra KV-cache dtype, beside GRAPH and reading its weights file (kv_variant names them).
+
+    int8 graphs carry their calibrated per-channel scales as small inline parameters of their own.
+    """
+    options, model = config.export, checkpoint.config
+    extra = [d for d in options.kv_cache_dtypes if d != config.model.dtype]
+    scales: dict[str, np.ndarray] = {}
+    if any(cache_format(d).quantized for d in extra):
+        tokens, source = _calibration_tokens(checkpoint, options.kv_cache_calibration, calibration_text)
+        scales, windows = calibrate_kv_scales(out / GRAPH, model, gears[c.PREFILL], options.block_size, tokens,
+                                              options.kv_cache_calibration_window)
+        print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     paged = onnx.load_model(out / GRAPH, load_external_data=False)
-    onnx.save_model(naive_model(model, paged, block_size), out / NAIVE_GRAPH)
-    onnx.checker.check_model(out / NAIVE_GRAPH, full_check=True)
+    external = {t.name: t for t in paged.graph.initializer}
+    for kv_cache_dtype in extra:
+        own = scales if cache_format(kv_cache_dtype).quantized else {}
+        builder = OnnxBuilder(model, {**{name: np.zeros(0, np.float32) for name in external}, **own}, kv_cache_dtype)
+        llama.build(builder, model, options.block_size, forms, kv_cache_dtype)
+        variant = builder.model("pagedgraph")
+        initializers = variant.graph.initializer
+        shared = [external.get(t.name, t) for t in initializers]  # the weights: references into WEIGHTS
+        del initializers[:]
+        initializers.extend(shared)
+        path = out / kv_variant(GRAPH, kv_cache_dtype, config.model.dtype)
+        onnx.save_model(variant, path)
+        onnx.checker.check_model(path, full_check=True)
+
+
+def _calibration_tokens(checkpoint: Checkpoint, text_file: str | None, default_text: str | None
+                        ) -> tuple[list[int], str]:
+    """The calibration text's token ids (the model's own tokenizer) and where the text came from:
+    export.kv_cache_calibration's file, else `default_text` (the CLI passes the shipped text)."""
+    from tokenizers import Tokenizer
+
+    if text_file is not None:
+        if not Path(text_file).is_file():
+            raise FileNotFoundError(f"export.kv_cache_calibration = {text_file!r}: no such text file; give the text "
+                                    f"the int8 KV-cache scales are calibrated on, or drop the key for the shipped one")
+        text, source = Path(text_file).read_text(), text_file
+    elif default_text is not None:
+        text, source = default_text, "the default calibration text"
+    else:
+        raise ValueError("an int8 KV cache needs a calibration text: set export.kv_cache_calibration to a text file "
+                         "(`pagedgraph export` passes the shipped one by default)")
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+    return tokenizer.encode(text, add_special_tokens=False).ids, source
+
+
+def _write_naive(model: ModelConfig, block_size: int, out: Path, kv_cache_dtype: str, compute_dtype: str) -> None:
+    paged = onnx.load_model(out / kv_variant(GRAPH, kv_cache_dtype, compute_dtype), load_external_data=False)
+    path = out / kv_variant(NAIVE_GRAPH, kv_cache_dtype, compute_dtype)
+    onnx.save_model(naive_model(model, paged, block_size, kv_cache_dtype), path)
+    onnx.checker.check_model(path, full_check=True)
 
 
 def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
                   clock: Callable[[], float] = time.perf_counter) -> list[GearReport]:
-    """Run the smallest and largest gear of each family once on a tiny pool.
+    """Run the smallest and largest gear of each family once on a tiny pool (each other KV-cache dtype's
+    graph: its smallest gears).
 
     Every gear shares one symbolic graph, so its ends prove the shapes the runtime feeds load and run.
     """
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(artifact / GRAPH), providers=["CPUExecutionProvider"])
     model = manifest.model
     max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
-    pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), np.float32)
-    caches = {name: pool for name in c.cache_names(model.num_layers)}
-    checks = [(family, gear) for family, spec in manifest.families.items()
-              for gear in sorted({min(spec.gears), max(spec.gears)})]
+    checks = [(family, gear, dtype) for dtype in manifest.served_kv_cache_dtypes
+              for family, spec in manifest.families.items()
+              for gear in sorted({min(spec.gears), max(spec.gears)} if dtype == manifest.dtype else {min(spec.gears)})]
+    sessions: dict[str, ort.InferenceSession] = {}
     reports = []
-    for family, gear in checks:
+    for family, gear, dtype in checks:
+        graph = kv_variant(GRAPH, dtype, manifest.dtype)
+        session = sessions.get(graph) or sessions.setdefault(graph, ort.InferenceSession(
+            str(artifact / graph), providers=["CPUExecutionProvider"]))
+        fmt = cache_format(dtype)
+        pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
+        binding = session.io_binding()
+        for name in c.cache_names(model.num_layers):  # one zero pool for all (written only in the null block)
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"), fmt.onnx_type)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(c.cache_output_name(name), value)
         feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
         feed[c.CU_SEQLENS_Q][1:] = 1  # one real query token, the rest padding
         feed[c.CONTEXT_LENS][0] = 1
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, array)
+        logits = np.zeros((gear.seqs, model.vocab_size), np.float32)
+        binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         start = clock()
-        logits = session.run([c.LOGITS], {**feed, **caches})[0]
+        session.run_with_iobinding(binding)
         reports.append(GearReport(family, gear, clock() - start))
-        if logits.shape != (gear.seqs, model.vocab_size) or not np.isfinite(logits[0]).all():
-            raise RuntimeError(f"{family} gear {gear} produced bad logits {logits.shape}")
+        if not np.isfinite(logits[0]).all():
+            raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad logits")
         print(f"[verify {len(reports)}/{len(checks)}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
-              f"ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
+              f"{dtype} KV ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
     return reports
 
 
@@ -258,7 +332,9 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
     for family, spec in manifest.families.items():
         print(f"{family_summary(family, spec.gears)}; graph {spec.graph} {size[spec.graph] / 1e6:.2f} MB", file=log)
     if verbose:
-        timed = {(r.family, r.gear): r.seconds for r in reports}
+        timed: dict[tuple[str, Gear], float] = {}
+        for r in reports:  # the compute dtype's graph first: its times are the ones shown
+            timed.setdefault((r.family, r.gear), r.seconds)
         print(f"\n{'bucket':30} {'input_ids':>10} {'block_tables':>13} {'verify':>8}", file=log)
         for family, spec in manifest.families.items():
             for g in spec.gears:

@@ -14,6 +14,7 @@ import numpy as np
 from graphs import contract as c
 from graphs import ops, quant
 from graphs.config import ModelConfig
+from graphs.kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
 from graphs.ops.op import OpBuilder
 from graphs.quant import BlockQuantized, Weight, concat_rows
 from graphs.rope_tables import rope_tables
@@ -91,8 +92,16 @@ class WeightForms:
         return [None if part is None else b.weight(part) for part in quant.graph_parts(name, w, gathered)]
 
 
-def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms()) -> None:
-    """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized."""
+def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms(),
+          kv_cache_dtype: str = "float32") -> None:
+    """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized,
+    `kv_cache_dtype` what the pools hold.
+
+    The cache dtype picks the variants of ReshapeAndCache and PagedAttention; an int8 cache reads each
+    layer's calibrated parameters as weights (graphs/kv_cache.py names them).
+    """
+    write, attend = ops.KV_CACHE_OPS[kv_cache_dtype]
+    quantized = cache_format(kv_cache_dtype).quantized
     positions = b.input(c.POSITIONS)
     slot_mapping = b.input(c.SLOT_MAPPING)
     block_tables = b.input(c.BLOCK_TABLES)
@@ -112,10 +121,13 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
         q, k, v = b.emit(ops.SPLIT, qkv, sizes=(config.q_size, config.kv_size, config.kv_size))
         q, k = b.emit(ops.ROPE, q, k, cos, sin, head_dim=config.head_dim)
         k_name, v_name = c.k_cache_name(i), c.v_cache_name(i)
-        k_cache, v_cache = b.emit(ops.RESHAPE_AND_CACHE, k, v, b.input(k_name), b.input(v_name), slot_mapping)
+        params = {f: b.weight(scale_weight_name(i, f)) for f in SCALE_FIELDS} if quantized else {}
+        k_cache, v_cache = b.emit(write, k, v, b.input(k_name), b.input(v_name), slot_mapping,
+                                  *(params[f] for f in QUANT_INPUTS if quantized))
         b.output(c.cache_output_name(k_name), k_cache)
         b.output(c.cache_output_name(v_name), v_cache)
-        attn = b.emit(ops.PAGED_ATTENTION, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, **attention)
+        attn = b.emit(attend, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                      *(params[f] for f in DEQUANT_INPUTS if quantized), **attention)
         hidden = b.emit(ops.ADD, hidden, forms.linear(b, attn, w + "o_proj"))
         x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "post_norm"), **norm)
         gate_up = forms.linear(b, x, w + "gate_up")

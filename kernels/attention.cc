@@ -1,4 +1,11 @@
-// The fused ops of graphs/ops as C++ kernels (float32, CPU): ReshapeAndCache, PagedAttention, SelfAttention.
+// The fused ops of graphs/ops as C++ kernels (float32 compute, CPU): ReshapeAndCache, PagedAttention, SelfAttention.
+//
+// The KV pools may hold float32, bfloat16, float16 or int8 (pg_kv_cache): ReshapeAndCache converts the new
+// rows before the write, and PagedAttention reads the cache directly, widening each row as it loads it.
+// int8 is dequantized without a pass of its own: K's per-channel scale is folded into the query
+// (q . (s * (k - o)) = (q * s) . k - const, and softmax ignores a per-query constant, so K's offset drops
+// out), and V's scale and offset apply once per output row (sum_j p_j s (v_j - o) = s (sum_j p_j v_j - o)
+// for probabilities p that sum to one).
 //
 // Contracts are those of the numpy references in graphs/ops: pools are [num_slots, kv_heads * head_dim]
 // rows, block tables map a sequence's block index to a pool block, and query rows are packed per
@@ -23,22 +30,25 @@
 
 namespace {
 
-using pg::exp8, pg::f32x8, pg::fail, pg::kLanes, pg::load8, pg::store8;
+using pg::bf16, pg::exp8, pg::f32x8, pg::fail, pg::kLanes, pg::load8, pg::store8, pg::to_float;
 
 constexpr int64_t kTileRows = 16;  // query rows of one sequence per work item
 constexpr int64_t kChunk = 24;     // keys per online-softmax step
 
-// K/V rows of one sequence, addressed by position in that sequence.
+// K/V rows of one sequence, addressed by position in that sequence; Elem is the pools' element type.
+template <class C>
 struct PagedRows {
-  const float *k_cache, *v_cache;
+  using Elem = C;
+  const C *k_cache, *v_cache;
   const int32_t *table;
   int64_t block_size, width;
   int64_t row(int64_t j) const { return (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * width; }
-  const float *k(int64_t j) const { return k_cache + row(j); }
-  const float *v(int64_t j) const { return v_cache + row(j); }
+  const C *k(int64_t j) const { return k_cache + row(j); }
+  const C *v(int64_t j) const { return v_cache + row(j); }
 };
 
 struct PackedRows {
+  using Elem = float;
   const float *key, *value;
   int64_t first, width;
   const float *k(int64_t j) const { return key + (first + j) * width; }
@@ -90,9 +100,9 @@ HeadState head_state(int64_t padded, int64_t head_dim) {
 // knows where they are, the hardware prefetcher does not (blocks are scattered over the pool).
 template <class Rows>
 void prefetch(const Rows &kv, int64_t begin, int64_t end, int64_t offset, int64_t width) {
-  constexpr int64_t kLine = 64 / sizeof(float);
+  constexpr int64_t kLine = 64 / sizeof(typename Rows::Elem);
   for (int64_t j = begin; j < end; ++j) {
-    const float *k = kv.k(j) + offset, *v = kv.v(j) + offset;
+    const auto *k = kv.k(j) + offset, *v = kv.v(j) + offset;
     for (int64_t x = 0; x < width; x += kLine) {
       __builtin_prefetch(k + x);
       __builtin_prefetch(v + x);
@@ -108,7 +118,7 @@ void chunk_scores(const HeadState &s, const TileShape &t, const Rows &kv, int64_
   constexpr int64_t kKeys = HV == 2 ? 6 : 8;
   static_assert(kChunk % kKeys == 0, "key tiles must not straddle a chunk");
   const int64_t dim = t.head_dim, padded = t.padded();
-  const float *keys[kChunk];
+  const typename Rows::Elem *keys[kChunk];
   for (int64_t j = 0; j < kChunk; ++j) keys[j] = kv.k(j0 + std::min(j, n - 1)) + offset;  // j >= n: masked later
   for (int64_t h = 0; h < padded; h += HV * kLanes) {
     for (int64_t j = 0; j < n; j += kKeys) {
@@ -117,7 +127,7 @@ void chunk_scores(const HeadState &s, const TileShape &t, const Rows &kv, int64_
         f32x8 q[HV];
         for (int64_t v = 0; v < HV; ++v) q[v] = load8(&s.query_t[d * padded + h + v * kLanes]);
         for (int64_t i = 0; i < kKeys; ++i)
-          for (int64_t v = 0; v < HV; ++v) acc[i][v] += keys[j + i][d] * q[v];
+          for (int64_t v = 0; v < HV; ++v) acc[i][v] += to_float(keys[j + i][d]) * q[v];
       }
       for (int64_t i = 0; i < kKeys; ++i)
         for (int64_t v = 0; v < HV; ++v) store8(&s.scores[(j + i) * padded + h + v * kLanes], acc[i][v]);
@@ -156,7 +166,7 @@ template <int64_t W, class Rows>
 void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_t offset, int64_t j0, int64_t n) {
   constexpr int64_t kHeads = 4;
   const int64_t dim = t.head_dim, padded = t.padded();
-  const float *values[kChunk];
+  const typename Rows::Elem *values[kChunk];
   for (int64_t j = 0; j < n; ++j) values[j] = kv.v(j0 + j) + offset;
   for (int64_t h = 0; h < t.heads(); h += kHeads) {
     for (int64_t d = 0; d < dim; d += W * kLanes) {
@@ -177,14 +187,15 @@ void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_
 }
 
 // A prefill tile against one kv head (at `offset` in the K/V rows); query and out point at its first
-// row's first head of that kv head.
+// row's first head of that kv head. `k_scale` (int8 caches, else null): that kv head's K scales.
 template <class Rows>
-void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv, int64_t offset) {
+void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv, int64_t offset,
+                 const float *k_scale) {
   const int64_t heads = t.heads(), padded = t.padded(), dim = t.head_dim;
   const HeadState s = head_state(padded, dim);
   for (int64_t h = 0; h < padded; ++h) {
     const float *q = h < heads ? query + t.offset_of(h) : nullptr;
-    for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale : 0.f;
+    for (int64_t d = 0; d < dim; ++d) s.query_t[d * padded + h] = q ? q[d] * t.scale * (k_scale ? k_scale[d] : 1.f) : 0.f;
     s.last_key[h] = static_cast<float>(t.first_limit + std::min(h, heads - 1) / t.group);
   }
   std::fill(s.acc, s.acc + padded * dim, 0.f);
@@ -262,10 +273,10 @@ RowState row_state(int64_t heads, int64_t head_dim) {
 
 // scores[h][j] = q_h . k_j for HB heads and the chunk's n keys (rows in `keys`), in tiles of HB heads x
 // kKeyTile keys whose accumulators run along D.
-template <int64_t HB>
-void row_scores(const float *query, const float *const *keys, int64_t offset, int64_t n, int64_t dim, float *scores) {
+template <int64_t HB, class C>
+void row_scores(const float *query, const C *const *keys, int64_t offset, int64_t n, int64_t dim, float *scores) {
   for (int64_t j = 0; j < n; j += kKeyTile) {
-    const float *k[kKeyTile];
+    const C *k[kKeyTile];
     for (int64_t i = 0; i < kKeyTile; ++i) k[i] = keys[std::min(j + i, n - 1)] + offset;  // past n: masked later
     f32x8 acc[HB][kKeyTile] = {};
     for (int64_t d = 0; d < dim; d += kLanes) {
@@ -281,8 +292,8 @@ void row_scores(const float *query, const float *const *keys, int64_t offset, in
 }
 
 // acc_h = acc_h * correction_h + sum_j p[h][j] v_j for HB heads, in tiles of HB heads x W vectors of D.
-template <int64_t HB, int64_t W>
-void row_values(const RowState &s, int64_t head, const float *const *values, int64_t offset, int64_t n, int64_t dim) {
+template <int64_t HB, int64_t W, class C>
+void row_values(const RowState &s, int64_t head, const C *const *values, int64_t offset, int64_t n, int64_t dim) {
   for (int64_t d = 0; d < dim; d += W * kLanes) {
     f32x8 tile[HB][W];
     for (int64_t h = 0; h < HB; ++h)
@@ -348,17 +359,18 @@ void for_head_tiles(int64_t first, int64_t group, const Body &body) {
 // all visible. A split row's part leaves its softmax state in `partial` (see Partials) instead.
 template <class Rows>
 void attend_row(const float *query, float *out, const Rows &kv, const pg_attention_dims &dims, int64_t begin,
-                int64_t end, float *partial) {
+                int64_t end, float *partial, const float *k_scale) {
   const int64_t heads = dims.head_num, group = heads / dims.kv_head_num, dim = dims.head_dim;
   const RowState s = row_state(heads, dim);
   const int64_t padded = (heads + kLanes - 1) / kLanes * kLanes;
-  for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = query[i] * dims.qk_scale;
+  for (int64_t i = 0; i < heads * dim; ++i)
+    s.query[i] = query[i] * dims.qk_scale * (k_scale ? k_scale[i / (group * dim) * dim + i % dim] : 1.f);
   std::fill(s.acc, s.acc + heads * dim, 0.f);
   std::fill(s.total, s.total + heads * kLanes, 0.f);
   std::fill(s.peak, s.peak + padded, -INFINITY);
   std::fill(s.correction, s.correction + padded, -INFINITY);
   const int64_t width = dims.kv_head_num * dim;
-  const float *keys[kDecodeChunk], *values[kDecodeChunk];
+  const typename Rows::Elem *keys[kDecodeChunk], *values[kDecodeChunk];
   for (int64_t j0 = begin; j0 < end; j0 += kDecodeChunk) {
     const int64_t n = std::min(kDecodeChunk, end - j0);
     prefetch(kv, j0 + kDecodeChunk, std::min(end, j0 + 2 * kDecodeChunk), 0, width);
@@ -485,11 +497,25 @@ void merge_parts(const std::vector<Item> &items, const Partials &partials, float
   }
 }
 
+// int8 caches: out = (out - v_offset) * v_scale per channel of each head's kv head, on every real row.
+void dequantize_values(float *out, const int32_t *cu, int64_t batch, const pg_attention_dims &dims,
+                       const float *v_scale, const int32_t *v_offset) {
+  const int64_t group = dims.head_num / dims.kv_head_num, dim = dims.head_dim, width = dims.head_num * dim;
+  for (int64_t r = cu[0]; r < cu[batch]; ++r)
+    for (int64_t h = 0; h < dims.head_num; ++h) {
+      float *o = out + r * width + h * dim;
+      const int64_t channel = h / group * dim;
+      for (int64_t d = 0; d < dim; ++d)
+        o[d] = (o[d] - static_cast<float>(v_offset[channel + d])) * v_scale[channel + d];
+    }
+}
+
 // Attention for every item, in parallel. `rows_of(b, r)` gives the K/V rows of sequence b and the last
-// key index its packed row r may see.
+// key index its packed row r may see. `k_scale` (int8 caches, else null): K's per-channel scales.
 template <class RowsOf>
 void for_each_item(const float *query, float *out, const int32_t *cu, int64_t batch, int64_t tokens,
-                   const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of) {
+                   const pg_attention_dims &dims, const pg_runner *runner, RowsOf rows_of,
+                   const float *k_scale = nullptr) {
   const int64_t group = dims.head_num / dims.kv_head_num, q_width = dims.head_num * dims.head_dim;
   zero_padding(out, cu, batch, tokens, q_width);
   int64_t split_parts;
@@ -503,41 +529,95 @@ void for_each_item(const float *query, float *out, const int32_t *cu, int64_t ba
     if (item.rows == 1) {
       float *partial = item.part < 0 ? nullptr : partial_base + item.part * dims.head_num * (dims.head_dim + 2);
       const int64_t row = item.first_row * q_width;
-      attend_row(query + row, out + row, rows, dims, item.key_begin, item.key_end, partial);
+      attend_row(query + row, out + row, rows, dims, item.key_begin, item.key_end, partial, k_scale);
       return;
     }
     const TileShape shape{item.rows, q_width, first_limit, group, dims.head_dim, dims.qk_scale};
     const int64_t offset = item.first_row * q_width + item.kv_head * group * dims.head_dim;
-    attend_tile(query + offset, out + offset, shape, rows, item.kv_head * dims.head_dim);
+    attend_tile(query + offset, out + offset, shape, rows, item.kv_head * dims.head_dim,
+                k_scale ? k_scale + item.kv_head * dims.head_dim : nullptr);
   });
   merge_parts(items, partials, out, q_width, dims.head_num, dims.head_dim);
+}
+
+// Row t of key/value into slot slot_mapping[t], converted to the pools' element type C.
+template <class C>
+void write_rows(const float *key, const float *value, C *k_cache, C *v_cache, const int64_t *slot_mapping,
+                int64_t tokens, int64_t width, const pg_runner *runner) {
+  pg::for_rows(runner, tokens, 2 * width, [&](int64_t t) {
+    for (const auto &[src, dst] : {std::pair{key, k_cache}, std::pair{value, v_cache}}) {
+      const float *x = src + t * width;
+      C *row = dst + slot_mapping[t] * width;
+      if constexpr (std::is_same_v<C, float>) {
+        std::memcpy(row, x, sizeof(float) * width);
+      } else {
+        for (int64_t c = 0; c < width; ++c) pg::from_float(x[c], row[c]);
+      }
+    }
+  });
+}
+
+// clamp(round(x * inv_scale + offset)), rounding half to even. Not contracted into an FMA, so the result
+// is bit-equal to the references' separate multiply and add.
+__attribute__((optimize("fp-contract=off"))) void quantize_row(const float *x, const float *inv_scale,
+                                                               const int32_t *offset, int8_t *row, int64_t width) {
+  for (int64_t c = 0; c < width; ++c) {
+    const float q = std::nearbyint(x[c] * inv_scale[c] + static_cast<float>(offset[c]));
+    row[c] = static_cast<int8_t>(std::clamp(q, -128.f, 127.f));
+  }
+}
+
+int check_int8(const pg_kv_cache &cache, bool attention) {
+  const bool missing = attention ? !cache.k_scale || !cache.v_scale || !cache.v_offset
+                                 : !cache.k_inv_scale || !cache.v_inv_scale || !cache.k_offset || !cache.v_offset;
+  return missing ? fail(std::string("an int8 KV cache needs its per-channel ") +
+                        (attention ? "k_scale, v_scale and v_offset" : "k_inv_scale, k_offset, v_inv_scale and v_offset"))
+                 : 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
+int pg_reshape_and_cache(const float *key, const float *value, void *k_cache, void *v_cache,
                          const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
-                         const pg_runner *runner) {
+                         pg_kv_cache cache, const pg_runner *runner) {
   for (int64_t t = 0; t < tokens; ++t)
     if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots)
       return fail("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot_mapping[t]) +
                   " is outside the pool of " + std::to_string(num_slots) + " slots");
-  const auto write = [&](int64_t t) {
-    std::memcpy(k_cache + slot_mapping[t] * width, key + t * width, sizeof(float) * width);
-    std::memcpy(v_cache + slot_mapping[t] * width, value + t * width, sizeof(float) * width);
-  };
-  pg::for_rows(runner, tokens, 2 * width, write);
-  return 0;
+  switch (cache.dtype) {
+    case PG_CACHE_FLOAT32:
+      write_rows(key, value, static_cast<float *>(k_cache), static_cast<float *>(v_cache), slot_mapping, tokens, width, runner);
+      return 0;
+    case PG_CACHE_BFLOAT16:
+      write_rows(key, value, static_cast<bf16 *>(k_cache), static_cast<bf16 *>(v_cache), slot_mapping, tokens, width, runner);
+      return 0;
+    case PG_CACHE_FLOAT16:
+      write_rows(key, value, static_cast<_Float16 *>(k_cache), static_cast<_Float16 *>(v_cache), slot_mapping, tokens,
+                 width, runner);
+      return 0;
+    case PG_CACHE_INT8: {
+      if (int rc = check_int8(cache, false)) return rc;
+      auto *k = static_cast<int8_t *>(k_cache), *v = static_cast<int8_t *>(v_cache);
+      pg::for_rows(runner, tokens, 2 * width, [&](int64_t t) {
+        quantize_row(key + t * width, cache.k_inv_scale, cache.k_offset, k + slot_mapping[t] * width, width);
+        quantize_row(value + t * width, cache.v_inv_scale, cache.v_offset, v + slot_mapping[t] * width, width);
+      });
+      return 0;
+    }
+  }
+  return fail("unknown KV cache dtype " + std::to_string(cache.dtype));
 }
 
-int pg_paged_attention(const float *query, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+int pg_paged_attention(const float *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                        const int32_t *context_lens, const int32_t *cu_seqlens_q, float *out, int64_t tokens,
                        int64_t batch, int64_t max_blocks, int64_t num_slots, pg_attention_dims dims,
-                       int64_t block_size, const pg_runner *runner) {
+                       int64_t block_size, pg_kv_cache cache, const pg_runner *runner) {
   if (int rc = check_heads(dims)) return rc;
   if (int rc = check_cu(cu_seqlens_q, batch, tokens)) return rc;
+  if (cache.dtype == PG_CACHE_INT8)
+    if (int rc = check_int8(cache, true)) return rc;
   const int64_t num_blocks = num_slots / block_size;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b], ctx = context_lens[b];
@@ -553,11 +633,29 @@ int pg_paged_attention(const float *query, const float *k_cache, const float *v_
     }
   }
   const int64_t kv_width = dims.kv_head_num * dims.head_dim;
-  for_each_item(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
-    const PagedRows rows{k_cache, v_cache, block_tables + b * max_blocks, block_size, kv_width};
-    return std::make_pair(rows, context_lens[b] - (cu_seqlens_q[b + 1] - r));  // position of query row r
-  });
-  return 0;
+  const auto attend = [&](const auto *k, const auto *v, const float *k_scale) {
+    using C = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+    for_each_item(query, out, cu_seqlens_q, batch, tokens, dims, runner, [&](int64_t b, int64_t r) {
+      const PagedRows<C> rows{k, v, block_tables + b * max_blocks, block_size, kv_width};
+      return std::make_pair(rows, context_lens[b] - (cu_seqlens_q[b + 1] - r));  // position of query row r
+    }, k_scale);
+  };
+  switch (cache.dtype) {
+    case PG_CACHE_FLOAT32:
+      attend(static_cast<const float *>(k_cache), static_cast<const float *>(v_cache), nullptr);
+      return 0;
+    case PG_CACHE_BFLOAT16:
+      attend(static_cast<const bf16 *>(k_cache), static_cast<const bf16 *>(v_cache), nullptr);
+      return 0;
+    case PG_CACHE_FLOAT16:
+      attend(static_cast<const _Float16 *>(k_cache), static_cast<const _Float16 *>(v_cache), nullptr);
+      return 0;
+    case PG_CACHE_INT8:
+      attend(static_cast<const int8_t *>(k_cache), static_cast<const int8_t *>(v_cache), cache.k_scale);
+      dequantize_values(out, cu_seqlens_q, batch, dims, cache.v_scale, cache.v_offset);
+      return 0;
+  }
+  return fail("unknown KV cache dtype " + std::to_string(cache.dtype));
 }
 
 int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,

@@ -13,12 +13,39 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from graphs import ops
+from graphs.kv_cache import KV_CACHE_DTYPES, cache_format
 from graphs.ops.op import Attributes, Lowering
 from kernels.build import library_path
 
 
 class KernelError(RuntimeError):
     """A kernel rejected its inputs (bad slot, block id, lengths); the message names the culprit."""
+
+
+class _Cache(ctypes.Structure):
+    """kernels.h's pg_kv_cache: the pools' dtype and an int8 cache's per-channel parameters."""
+
+    _fields_ = [("dtype", ctypes.c_int32)] + [(f, ctypes.c_void_p) for f in (
+        "k_scale", "k_inv_scale", "v_scale", "v_inv_scale", "k_offset", "v_offset")]
+
+
+_CACHE_CODES = {cache_format(name).numpy_dtype: code for code, name in enumerate(KV_CACHE_DTYPES)}  # pg_cache_dtype
+
+
+def _cache(k_cache: np.ndarray, v_cache: np.ndarray, **params: np.ndarray | None) -> _Cache:
+    """The pools' pg_kv_cache; int8 pools need their parameters (float32 scales, int32 offsets)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _CACHE_CODES or not k_cache.flags.c_contiguous \
+            or not v_cache.flags.c_contiguous:
+        raise TypeError(f"KV pools must be C-contiguous arrays of one of {', '.join(KV_CACHE_DTYPES)}, got "
+                        f"{k_cache.dtype} and {v_cache.dtype}")
+    cache = _Cache(_CACHE_CODES[k_cache.dtype])
+    if k_cache.dtype == np.int8:
+        missing = [name for name, value in params.items() if value is None]
+        if missing:
+            raise TypeError(f"an int8 KV cache needs its per-channel {', '.join(missing)}")
+        for name, value in params.items():
+            setattr(cache, name, _ptr(value, np.int32 if name.endswith("offset") else np.float32))
+    return cache
 
 
 class _Dims(ctypes.Structure):
@@ -33,7 +60,7 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _ptr(array: np.ndarray, dtype: type) -> ctypes.c_void_p:
+def _ptr(array: np.ndarray, dtype: type | np.dtype) -> ctypes.c_void_p:
     if array.dtype != dtype or not array.flags.c_contiguous:
         raise TypeError(f"kernel arguments must be C-contiguous {np.dtype(dtype).name} arrays, got {array.dtype}")
     return ctypes.c_void_p(array.ctypes.data)
@@ -52,24 +79,36 @@ def _dims(query: np.ndarray, head_num: int, kv_head_num: int, head_dim: int, qk_
 
 
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                      slot_mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      slot_mapping: np.ndarray, k_inv_scale: np.ndarray | None = None, k_offset: np.ndarray | None = None,
+                      v_inv_scale: np.ndarray | None = None, v_offset: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Pools of any cache dtype; int8 ones are written quantized with the given parameters."""
     f = np.float32
+    cache = _cache(k_cache, v_cache, k_inv_scale=k_inv_scale, k_offset=k_offset, v_inv_scale=v_inv_scale,
+                   v_offset=v_offset)
     _check(_library().pg_reshape_and_cache(
-        _ptr(key, f), _ptr(value, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(slot_mapping, np.int64),
-        ctypes.c_int64(key.shape[0]), ctypes.c_int64(key.shape[1]), ctypes.c_int64(k_cache.shape[0]), None))
+        _ptr(key, f), _ptr(value, f), _ptr(k_cache, k_cache.dtype), _ptr(v_cache, v_cache.dtype),
+        _ptr(slot_mapping, np.int64), ctypes.c_int64(key.shape[0]), ctypes.c_int64(key.shape[1]),
+        ctypes.c_int64(k_cache.shape[0]), cache, None))
     return k_cache, v_cache
 
 
 def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray, cu_seqlens_q: np.ndarray, *, head_num: int, kv_head_num: int,
-                    head_dim: int, qk_scale: float, block_size: int) -> np.ndarray:
+                    context_lens: np.ndarray, cu_seqlens_q: np.ndarray, k_scale: np.ndarray | None = None,
+                    k_offset: np.ndarray | None = None, v_scale: np.ndarray | None = None,
+                    v_offset: np.ndarray | None = None, *, head_num: int, kv_head_num: int, head_dim: int,
+                    qk_scale: float, block_size: int) -> np.ndarray:
+    """Pools of any cache dtype, read directly; int8 ones dequantized with the given parameters (K's offset
+    drops out of the softmax, so the kernel never reads it)."""
     f, i32 = np.float32, np.int32
     out = np.empty_like(query)
+    cache = _cache(k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, v_offset=v_offset)
     _check(_library().pg_paged_attention(
-        _ptr(query, f), _ptr(k_cache, f), _ptr(v_cache, f), _ptr(block_tables, i32), _ptr(context_lens, i32),
+        _ptr(query, f), _ptr(k_cache, k_cache.dtype), _ptr(v_cache, v_cache.dtype), _ptr(block_tables, i32),
+        _ptr(context_lens, i32),
         _ptr(cu_seqlens_q, i32), _ptr(out, f), ctypes.c_int64(query.shape[0]), ctypes.c_int64(block_tables.shape[0]),
         ctypes.c_int64(block_tables.shape[1]), ctypes.c_int64(k_cache.shape[0]),
-        _dims(query, head_num, kv_head_num, head_dim, qk_scale), ctypes.c_int64(block_size), None))
+        _dims(query, head_num, kv_head_num, head_dim, qk_scale), ctypes.c_int64(block_size), cache, None))
     return out
 
 
@@ -115,7 +154,8 @@ def _body(kernel: Callable[..., Any]) -> KernelBody:
 
 KERNELS: Lowering[KernelBody] = Lowering(
     "kernels", "kernels/*.cc (C API: kernels/kernels.h, ctypes: kernels/binding.py)",
-    {ops.RESHAPE_AND_CACHE: _body(reshape_and_cache), ops.PAGED_ATTENTION: _body(paged_attention),
+    {**{write: _body(reshape_and_cache) for write, _ in ops.KV_CACHE_OPS.values()},
+     **{attend: _body(paged_attention) for _, attend in ops.KV_CACHE_OPS.values()},
      ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu)},
     partial=True)
 

@@ -54,6 +54,47 @@ inline f32x8 load8(const float *p) {
 
 inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
+// KV-cache elements other than float32 (kernels.h's pg_cache_dtype): bfloat16 as its bits, IEEE
+// half as the compiler's _Float16, int8 as the quantized value. Each converts to float exactly.
+struct bf16 {
+  uint16_t bits;
+};
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef _Float16 f16x8 __attribute__((vector_size(16)));
+
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16); }
+
+inline f32x8 load8(const int8_t *p) {
+  i8x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, f32x8);
+}
+
+inline f32x8 load8(const _Float16 *p) {
+  f16x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, f32x8);
+}
+
+inline f32x8 load8(const bf16 *p) {
+  u16x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_bit_cast(f32x8, __builtin_convertvector(v, i32x8) << 16);
+}
+
+// float -> a 16-bit cache element, rounding to nearest even (as ONNX Cast and ml_dtypes do).
+inline void from_float(float x, float &out) { out = x; }
+inline void from_float(float x, _Float16 &out) { out = static_cast<_Float16>(x); }
+inline void from_float(float x, bf16 &out) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  out.bits = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)  // NaN stays NaN
+                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // exp(x), vectorized (libm's expf is not), for x clamped to [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by its degree-7 Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the exponent bits.
 inline f32x8 exp8(f32x8 x) {

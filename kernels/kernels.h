@@ -26,14 +26,27 @@ struct pg_runner {
   void *pool;
 };
 
-int pg_reshape_and_cache(const float *key, const float *value, float *k_cache, float *v_cache,
-                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
-                         const pg_runner *runner);
+// The pools' element type (graphs/kv_cache.py). Rows are written converted to it (int8: quantized per
+// channel, clamp(round(x * inv_scale + offset))) and read back as float32 inside the attention
+// ((q - offset) * scale, ATB's kDescale/kOffset and vDescale/vOffset).
+enum pg_cache_dtype { PG_CACHE_FLOAT32 = 0, PG_CACHE_BFLOAT16 = 1, PG_CACHE_FLOAT16 = 2, PG_CACHE_INT8 = 3 };
 
-int pg_paged_attention(const float *query, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+// A layer's pools: their dtype and, for int8, the per-channel parameters, each [kv_heads * head_dim].
+// A zero-initialised struct is a float32 cache.
+struct pg_kv_cache {
+  int32_t dtype;  // pg_cache_dtype
+  const float *k_scale, *k_inv_scale, *v_scale, *v_inv_scale;
+  const int32_t *k_offset, *v_offset;
+};
+
+int pg_reshape_and_cache(const float *key, const float *value, void *k_cache, void *v_cache,
+                         const int64_t *slot_mapping, int64_t tokens, int64_t width, int64_t num_slots,
+                         pg_kv_cache cache, const pg_runner *runner);
+
+int pg_paged_attention(const float *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                        const int32_t *context_lens, const int32_t *cu_seqlens_q, float *out, int64_t tokens,
                        int64_t batch, int64_t max_blocks, int64_t num_slots, pg_attention_dims dims,
-                       int64_t block_size, const pg_runner *runner);
+                       int64_t block_size, pg_kv_cache cache, const pg_runner *runner);
 
 int pg_self_attention(const float *query, const float *key, const float *value, const int32_t *cu_seqlens_q,
                       float *out, int64_t tokens, int64_t batch, pg_attention_dims dims, const pg_runner *runner);

@@ -56,7 +56,8 @@ int ReshapeAndCache(int, void **params, int *, int64_t **shapes, const char **dt
   *static_cast<float *>(params[5]) = 0.f;
   return pg_reshape_and_cache(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                               static_cast<float *>(params[2]), static_cast<float *>(params[3]),
-                              static_cast<const int64_t *>(params[4]), shapes[0][0], shapes[0][1], shapes[2][0], nullptr);
+                              static_cast<const int64_t *>(params[4]), shapes[0][0], shapes[0][1], shapes[2][0],
+                              pg_kv_cache{}, nullptr);
 }
 
 // query [T, H*D], k/v_cache [S, KV*D], block_tables [B, M], context_lens [B], cu_seqlens_q [B+1],
@@ -73,7 +74,7 @@ int PagedAttention(int, void **params, int *, int64_t **shapes, const char **dty
                             static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
                             static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
                             static_cast<float *>(params[8]), shapes[0][0], shapes[3][0], shapes[3][1], shapes[1][0],
-                            dims, block_size, nullptr);
+                            dims, block_size, pg_kv_cache{}, nullptr);
 }
 
 // query [T, H*D], key/value [T, KV*D], cu_seqlens_q [B+1], dims int64 [head_num, kv_head_num, head_dim]

@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <iterator>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kernels.h"
@@ -33,6 +34,7 @@ const OrtApi *api = nullptr;
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // a KV pool: any cache dtype, read per call
 
 OrtStatus *invalid(const std::string &message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message.c_str()); }
 
@@ -55,21 +57,27 @@ std::string shape_text(const Shape &shape) {
   return text + "]";
 }
 
-// An input: its data and shape. ORT has already checked its element type against the op's declaration.
+// An input: its data, shape and element type. ORT has already checked the type against the op's
+// declaration (ANY inputs: checked by the op). An absent optional input has no data.
 template <class T>
 struct Input {
   const T *data = nullptr;
   Shape shape;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 };
 
 template <class T>
 OrtStatus *get_input(OrtKernelContext *context, size_t index, Input<T> &out) {
-  const OrtValue *value;
-  RETURN_IF_ERROR(api->KernelContext_GetInput(context, index, &value));
+  const OrtValue *value = nullptr;
+  size_t count = 0;
+  RETURN_IF_ERROR(api->KernelContext_GetInputCount(context, &count));
+  if (index < count) RETURN_IF_ERROR(api->KernelContext_GetInput(context, index, &value));
+  if (value == nullptr) return nullptr;  // an optional input left out
   OrtTensorTypeAndShapeInfo *info;
   RETURN_IF_ERROR(api->GetTensorTypeAndShape(value, &info));
   size_t rank = 0;
-  OrtStatus *status = api->GetDimensionsCount(info, &rank);
+  OrtStatus *status = api->GetTensorElementType(info, &out.type);
+  if (status == nullptr) status = api->GetDimensionsCount(info, &rank);
   if (status == nullptr && rank > Shape::kMaxRank)
     status = invalid("input " + std::to_string(index) + " has rank " + std::to_string(rank) + ", at most " +
                      std::to_string(Shape::kMaxRank) + " expected");
@@ -94,12 +102,13 @@ OrtStatus *get_inputs(OrtKernelContext *context, Input<T> &...inputs) {
   return status;
 }
 
-OrtStatus *get_output(OrtKernelContext *context, size_t index, const Shape &shape, float *&out) {
+template <class T>
+OrtStatus *get_output(OrtKernelContext *context, size_t index, const Shape &shape, T *&out) {
   OrtValue *value;
   RETURN_IF_ERROR(api->KernelContext_GetOutput(context, index, shape.dims, shape.rank, &value));
   void *data;
   RETURN_IF_ERROR(api->GetTensorMutableData(value, &data));
-  out = static_cast<float *>(data);
+  out = static_cast<T *>(data);
   return nullptr;
 }
 
@@ -109,6 +118,20 @@ OrtStatus *check_shape(const char *name, const Shape &shape, const Shape &want) 
   for (size_t i = 0; ok && i < want.size(); ++i) ok = want[i] < 0 || shape[i] == want[i];
   if (ok) return nullptr;
   return invalid(std::string(name) + " has shape " + shape_text(shape) + ", expected " + shape_text(want));
+}
+
+// The pools' cache dtype (both the same type) and element size.
+OrtStatus *cache_dtype(const Input<void> &k_cache, const Input<void> &v_cache, pg_kv_cache &cache, size_t &itemsize) {
+  if (k_cache.type != v_cache.type) return invalid("k_cache and v_cache must have one element type");
+  switch (k_cache.type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: cache.dtype = PG_CACHE_FLOAT32, itemsize = 4; return nullptr;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: cache.dtype = PG_CACHE_BFLOAT16, itemsize = 2; return nullptr;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: cache.dtype = PG_CACHE_FLOAT16, itemsize = 2; return nullptr;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: cache.dtype = PG_CACHE_INT8, itemsize = 1; return nullptr;
+    default:
+      return invalid("KV cache element type " + std::to_string(k_cache.type) +
+                     " is not one of float32, bfloat16, float16, int8");
+  }
 }
 
 // pg_runner over ORT's intra-op pool. Every item must run, so a refused ParallelFor runs them here.
@@ -152,9 +175,11 @@ OrtStatus *with_head_dim(pg_attention_dims dims, const Shape &query, pg_attentio
   return nullptr;
 }
 
+// Inputs 6-9 (int8 caches only): k_scale, k_offset, v_scale, v_offset (ATB's kDescale, kOffset, vDescale, vOffset).
 struct PagedAttention {
   static constexpr const char *name = "PagedAttention";
-  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32, I32, I32, I32};
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, ANY, ANY, I32, I32, I32, F32, I32, F32, I32};
+  static constexpr size_t required = 6;
   static constexpr ONNXTensorElementDataType outputs[] = {F32};
   pg_attention_dims dims{};
   int64_t block_size = 0;
@@ -166,12 +191,24 @@ struct PagedAttention {
   }
 
   OrtStatus *compute(OrtKernelContext *context) const {
-    Input<float> query, k_cache, v_cache;
-    Input<int32_t> tables, context_lens, cu;
-    RETURN_IF_ERROR(get_inputs(context, query, k_cache, v_cache, tables, context_lens, cu));
+    Input<float> query, k_scale, v_scale;
+    Input<void> k_cache, v_cache;
+    Input<int32_t> tables, context_lens, cu, k_offset, v_offset;
+    RETURN_IF_ERROR(get_inputs(context, query, k_cache, v_cache, tables, context_lens, cu, k_scale, k_offset, v_scale,
+                               v_offset));
     pg_attention_dims d;
     RETURN_IF_ERROR(with_head_dim(dims, query.shape, d));
-    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, d.kv_head_num * d.head_dim}));
+    pg_kv_cache cache{};
+    size_t itemsize;
+    RETURN_IF_ERROR(cache_dtype(k_cache, v_cache, cache, itemsize));
+    const int64_t width = d.kv_head_num * d.head_dim;
+    if (cache.dtype == PG_CACHE_INT8) {
+      RETURN_IF_ERROR(check_shape("k_scale", k_scale.shape, {width}));
+      RETURN_IF_ERROR(check_shape("v_scale", v_scale.shape, {width}));
+      RETURN_IF_ERROR(check_shape("v_offset", v_offset.shape, {width}));
+      cache.k_scale = k_scale.data, cache.v_scale = v_scale.data, cache.v_offset = v_offset.data;
+    }
+    RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, width}));
     RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
     RETURN_IF_ERROR(check_shape("block_tables", tables.shape, {-1, -1}));
     const int64_t batch = tables.shape[0];
@@ -182,7 +219,7 @@ struct PagedAttention {
     const pg_runner runner = runner_of(context);
     return kernel_status(pg_paged_attention(query.data, k_cache.data, v_cache.data, tables.data, context_lens.data,
                                             cu.data, out, query.shape[0], batch, tables.shape[1], k_cache.shape[0],
-                                            d, block_size, &runner));
+                                            d, block_size, cache, &runner));
   }
 };
 
@@ -216,32 +253,56 @@ struct SelfAttention {
 // Writes the new rows into the pools. The runtime binds each pool OrtValue as both the input and its
 // output (IOBinding), so ORT hands this kernel the input's own buffer and only the rows are written;
 // with separate outputs (a plain session.run) the pool is copied first, as the function body would.
+// Inputs 5-8 (int8 caches only): k_inv_scale, k_offset, v_inv_scale, v_offset, the quantization's.
 struct ReshapeAndCache {
   static constexpr const char *name = "ReshapeAndCache";
-  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32, F32, I64};
-  static constexpr ONNXTensorElementDataType outputs[] = {F32, F32};
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, ANY, ANY, I64, F32, I32, F32, I32};
+  static constexpr size_t required = 5;
+  static constexpr ONNXTensorElementDataType outputs[] = {ANY, ANY};
+
+  // The pools' outputs have their inputs' type and shape (ORT needs this for ANY-typed outputs).
+  static OrtStatus *infer(OrtShapeInferContext *context) {
+    for (size_t i = 0; i < 2; ++i) {
+      OrtTensorTypeAndShapeInfo *info;  // owned by the context
+      RETURN_IF_ERROR(api->ShapeInferContext_GetInputTypeShape(context, 2 + i, &info));
+      RETURN_IF_ERROR(api->ShapeInferContext_SetOutputTypeShape(context, i, info));
+    }
+    return nullptr;
+  }
 
   OrtStatus *init(const OrtKernelInfo *) { return nullptr; }
 
   OrtStatus *compute(OrtKernelContext *context) const {
-    Input<float> key, value, k_cache, v_cache;
+    Input<float> key, value, k_inv_scale, v_inv_scale;
+    Input<void> k_cache, v_cache;
     Input<int64_t> slots;
-    RETURN_IF_ERROR(get_inputs(context, key, value, k_cache, v_cache, slots));
+    Input<int32_t> k_offset, v_offset;
+    RETURN_IF_ERROR(get_inputs(context, key, value, k_cache, v_cache, slots, k_inv_scale, k_offset, v_inv_scale, v_offset));
     RETURN_IF_ERROR(check_shape("key", key.shape, {-1, -1}));
     const int64_t tokens = key.shape[0], width = key.shape[1];
+    pg_kv_cache cache{};
+    size_t itemsize;
+    RETURN_IF_ERROR(cache_dtype(k_cache, v_cache, cache, itemsize));
+    if (cache.dtype == PG_CACHE_INT8) {
+      for (const auto &[label, shape] : {std::pair{"k_inv_scale", k_inv_scale.shape}, std::pair{"k_offset", k_offset.shape},
+                                         std::pair{"v_inv_scale", v_inv_scale.shape}, std::pair{"v_offset", v_offset.shape}})
+        RETURN_IF_ERROR(check_shape(label, shape, {width}));
+      cache.k_inv_scale = k_inv_scale.data, cache.k_offset = k_offset.data;
+      cache.v_inv_scale = v_inv_scale.data, cache.v_offset = v_offset.data;
+    }
     RETURN_IF_ERROR(check_shape("value", value.shape, key.shape));
     RETURN_IF_ERROR(check_shape("k_cache", k_cache.shape, {-1, width}));
     RETURN_IF_ERROR(check_shape("v_cache", v_cache.shape, k_cache.shape));
     RETURN_IF_ERROR(check_shape("slot_mapping", slots.shape, {tokens}));
-    float *k_out, *v_out;
+    void *k_out, *v_out;
     RETURN_IF_ERROR(get_output(context, 0, k_cache.shape, k_out));
     RETURN_IF_ERROR(get_output(context, 1, v_cache.shape, v_out));
-    const size_t pool_bytes = sizeof(float) * k_cache.shape[0] * width;
+    const size_t pool_bytes = itemsize * k_cache.shape[0] * width;
     if (k_out != k_cache.data) std::memcpy(k_out, k_cache.data, pool_bytes);
     if (v_out != v_cache.data) std::memcpy(v_out, v_cache.data, pool_bytes);
     const pg_runner runner = runner_of(context);
-    return kernel_status(
-        pg_reshape_and_cache(key.data, value.data, k_out, v_out, slots.data, tokens, width, k_cache.shape[0], &runner));
+    return kernel_status(pg_reshape_and_cache(key.data, value.data, k_out, v_out, slots.data, tokens, width,
+                                              k_cache.shape[0], cache, &runner));
   }
 };
 
@@ -294,6 +355,22 @@ struct SwiGLU {
   }
 };
 
+// How many leading inputs of `Kernel` are required: `Kernel::required` where it has optional trailing ones.
+template <class Kernel, class = void>
+struct Required {
+  static constexpr size_t value = std::size(Kernel::inputs);
+};
+template <class Kernel>
+struct Required<Kernel, std::void_t<decltype(Kernel::required)>> {
+  static constexpr size_t value = Kernel::required;
+};
+
+// Whether `Kernel` infers its outputs' types (`Kernel::infer`), as ops with ANY-typed outputs must.
+template <class Kernel, class = void>
+struct HasInfer : std::false_type {};
+template <class Kernel>
+struct HasInfer<Kernel, std::void_t<decltype(&Kernel::infer)>> : std::true_type {};
+
 // The OrtCustomOp of `Kernel`: its name and types, and callbacks that create, run and destroy it.
 template <class Kernel>
 struct CustomOp : OrtCustomOp {
@@ -305,7 +382,9 @@ struct CustomOp : OrtCustomOp {
     GetInputType = [](const OrtCustomOp *, size_t i) { return Kernel::inputs[i]; };
     GetOutputTypeCount = [](const OrtCustomOp *) { return std::size(Kernel::outputs); };
     GetOutputType = [](const OrtCustomOp *, size_t i) { return Kernel::outputs[i]; };
-    GetInputCharacteristic = [](const OrtCustomOp *, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputCharacteristic = [](const OrtCustomOp *, size_t i) {
+      return i < Required<Kernel>::value ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
     GetOutputCharacteristic = [](const OrtCustomOp *, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp *, size_t) { return OrtMemTypeDefault; };
     GetStartVersion = [](const OrtCustomOp *) { return 1; };
@@ -323,6 +402,8 @@ struct CustomOp : OrtCustomOp {
       return static_cast<const Kernel *>(kernel)->compute(context);
     };
     KernelDestroy = [](void *kernel) { delete static_cast<Kernel *>(kernel); };
+    if constexpr (HasInfer<Kernel>::value)
+      InferOutputShapeFn = [](const OrtCustomOp *, OrtShapeInferContext *context) { return Kernel::infer(context); };
   }
 };
 

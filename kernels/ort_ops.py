@@ -23,6 +23,8 @@ class CustomKernel:
 
 ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
     "onnxruntime-custom", "kernels/ort_ops.cc (declared in kernels/ort_ops.py)",
-    {op: CustomKernel(op) for op in (ops.RESHAPE_AND_CACHE, ops.PAGED_ATTENTION, ops.SELF_ATTENTION, ops.ROPE,
-                                     ops.SWIGLU)},
+    # One ReshapeAndCache and one PagedAttention struct serve every cache dtype (the pools' element type is
+    # read per call; int8's parameters are the trailing optional inputs).
+    {op: CustomKernel(op) for op in (*(op for pair in ops.KV_CACHE_OPS.values() for op in pair), ops.SELF_ATTENTION,
+                                     ops.ROPE, ops.SWIGLU)},
     fallback="onnx")

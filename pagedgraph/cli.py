@@ -15,6 +15,7 @@ from typing import Any
 
 from artifact.settings import ConfigError, validate, with_overrides
 from pagedgraph import __version__
+from pagedgraph.texts import shipped_text
 from runtime.executors import CUSTOM_OPS
 from runtime.sampling_params import DEFAULT_MAX_TOKENS
 
@@ -38,7 +39,7 @@ def _export(args: argparse.Namespace) -> int:
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
                                           "export.target": args.target, "export.baseline": args.baseline,
                                           "model.dtype": args.dtype, "model.quantization": args.quantization})
-    export(config, args.out, force=args.force, verbose=args.verbose)
+    export(config, args.out, force=args.force, verbose=args.verbose, calibration_text=shipped_text("calibration"))
     return 0
 
 
@@ -142,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("exporting %s with %s", model.artifact, model.export_config)
         from exporter.config import ExportConfig
 
-        export(load_yaml(ExportConfig, model.export_config), model.artifact)
+        export(load_yaml(ExportConfig, model.export_config), model.artifact,
+               calibration_text=shipped_text("calibration"))
     serve(deployment, source)
     return 0
 

@@ -16,6 +16,7 @@ that lacks a body fails the registry check below. How each lowering runs one op:
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 from pathlib import Path
@@ -28,10 +29,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from exporter.lowerings import BEGIN, END, lowerings, registry_report, with_table
-from exporter.onnx.graph_builder import NP_TO_ONNX, make_model, op_model
+from exporter.onnx.graph_builder import make_model, onnx_type, op_model
 from graphs import ops
 from graphs.config import ModelConfig
 from graphs.contract import INPUT_IDS
+from graphs.kv_cache import cache_format
 from graphs.ops import OPS
 from graphs.ops.op import Example, Op
 from tests.mindspore_support import require_mindspore
@@ -58,7 +60,7 @@ def _cases() -> Iterator[Any]:
 
 def _fits_contiguous(op: Op, example: Example) -> bool:
     """The contiguous layout holds one query run length per row and no padding rows."""
-    if op is not ops.PAGED_ATTENTION:
+    if op.name != "PagedAttention":
         return True
     query, cu = example.inputs[0], example.inputs[5]
     return len(set(np.diff(cu))) == 1 and cu[-1] == len(query)
@@ -79,12 +81,42 @@ def _run_onnx(op: Op, example: Example, library: Path | None = None,
         options.enable_profiling = True
         options.profile_file_prefix = str(profile)
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    outputs = session.run(None, _feed(op, example.inputs))
+    outputs = _session_run(session, _feed(op, example.inputs), [t.dtypes[0] for t in op.outputs])
     if profile:
         events = json.loads(Path(session.end_profiling()).read_text())
         ran = {e["args"]["op_name"] for e in events if e.get("cat") == "Node"}
         assert ran == {op.name}, f"the custom kernel did not run in place of the function body: {sorted(ran)}"
     return outputs
+
+
+def _ortvalue(array: np.ndarray) -> ort.OrtValue:
+    """numpy -> OrtValue; bfloat16 (ml_dtypes) goes by its bits, which ORT's numpy bridge does not know."""
+    if array.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def _session_run(session: ort.InferenceSession, feed: dict[str, np.ndarray], output_dtypes: list[str]
+                 ) -> list[np.ndarray]:
+    """session.run, or through OrtValues when a bfloat16 tensor is involved (ORT's numpy bridge lacks it)."""
+    if "bfloat16" not in output_dtypes and all(x.dtype.name != "bfloat16" for x in feed.values()):
+        return session.run(None, feed)
+    binding = session.io_binding()
+    for name, array in feed.items():
+        binding.bind_ortvalue_input(name, _ortvalue(array))
+    for out in session.get_outputs():
+        binding.bind_output(out.name)
+    session.run_with_iobinding(binding)
+    return [_numpy(value, dtype) for value, dtype in zip(binding.get_outputs(), output_dtypes)]
+
+
+def _numpy(value: ort.OrtValue, dtype: str) -> np.ndarray:
+    """An output as numpy; bfloat16 copied out by its bits into ml_dtypes' bfloat16 (the references' type)."""
+    if dtype != "bfloat16":
+        return value.numpy()
+    count = int(np.prod(value.shape()))
+    bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr()))
+    return bits.copy().view(cache_format("bfloat16").numpy_dtype).reshape(value.shape())
 
 
 def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:
@@ -93,14 +125,16 @@ def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.nd
 
     attrs = op.attrs(**example.attrs)
     reference = op.run_reference(example.inputs, attrs)
-    if op is ops.RESHAPE_AND_CACHE:  # one row holding every slot: slot = position
-        key, value, k_cache, v_cache, slots = example.inputs
+    base = len(ops.RESHAPE_AND_CACHE.inputs if op.name == "ReshapeAndCache" else ops.PAGED_ATTENTION.inputs)
+    params = {spec.name: x for spec, x in zip(op.inputs[base:], example.inputs[base:])}  # a cache dtype's own inputs
+    if op.name == "ReshapeAndCache":  # one row holding every slot: slot = position
+        key, value, k_cache, v_cache, slots = example.inputs[:base]
         to_rows = lambda pool: pool[None, None]  # noqa: E731 - [1, 1, num_slots, W]
         inputs = {"key": key, "value": value, "k_cache": to_rows(k_cache), "v_cache": to_rows(v_cache),
                   "slot_mapping": slots}
         kv_heads, head_dim, expected = 1, key.shape[1], tuple(to_rows(x) for x in reference)
     else:
-        query, k_cache, v_cache, tables, context_lens, cu = example.inputs
+        query, k_cache, v_cache, tables, context_lens, cu = example.inputs[:base]
         block = attrs.block_size
         positions = np.arange(tables.shape[1] * block)
         slots = tables[:, positions // block].astype(np.int64) * block + positions % block  # [B, max_len]
@@ -113,18 +147,20 @@ def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.nd
                   "context_lens": context_lens, "cu_seqlens_q": cu, INPUT_IDS: np.zeros(len(query), np.int64)}
         kv_heads, head_dim, expected = attrs.kv_head_num, attrs.head_dim, reference
     config = ModelConfig("llama", 1, kv_heads * head_dim, 1, 1, kv_heads, kv_heads, head_dim, 1e-5, 1e4, 1, True)
-    builder = ContiguousBuilder(config, {})
+    inputs.update(params)
+    builder = ContiguousBuilder(config, {}, op.variant or "float32")
     names = [spec.name for spec in op.inputs]
     out = CONTIGUOUS.emit(builder, op, names, example.attrs)
     outs = [f"out_{i}" for i in range(len(op.outputs))]
     for value, name in zip([out] if isinstance(out, str) else out, outs):
         builder.n.rename(value, name)
-    infos = [helper.make_tensor_value_info(k, NP_TO_ONNX[v.dtype], list(v.shape)) for k, v in inputs.items()]
+    infos = [helper.make_tensor_value_info(k, onnx_type(v.dtype), list(v.shape)) for k, v in inputs.items()]
+    out_dtypes = [t.dtypes[0] for t in op.outputs]
     graph = helper.make_graph(builder.n.nodes, op.key, infos,
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+                              [helper.make_tensor_value_info(o, onnx_type(d), None) for o, d in zip(outs, out_dtypes)])
     session = ort.InferenceSession(make_model(graph, builder).SerializeToString(), providers=["CPUExecutionProvider"])
     used = {i.name for i in session.get_inputs()}
-    return session.run(None, {k: v for k, v in inputs.items() if k in used}), expected
+    return _session_run(session, {k: v for k, v in inputs.items() if k in used}, out_dtypes), expected
 
 
 def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
@@ -155,12 +191,13 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     cell = MINDSPORE_ASCEND.body(op)(attrs, MindSporeTarget("ascend", multi_query=True))
     inputs = [None if x is None else x.astype(np.float16) if x.dtype == np.float32 else x for x in example.inputs]
-    if op in (ops.RESHAPE_AND_CACHE, ops.PAGED_ATTENTION):  # ATB's pool layout [blocks, block_size, kv_heads, D]
-        pools = (2, 3) if op is ops.RESHAPE_AND_CACHE else (1, 2)
-        block, kv_heads = (16, 1) if op is ops.RESHAPE_AND_CACHE else (attrs.block_size, attrs.kv_head_num)
+    if op.name in ("ReshapeAndCache", "PagedAttention"):  # ATB's pool layout [blocks, block_size, kv_heads, D]
+        writes = op.name == "ReshapeAndCache"
+        pools = (2, 3) if writes else (1, 2)
+        block, kv_heads = (16, 1) if writes else (attrs.block_size, attrs.kv_head_num)
         for i in pools:
             inputs[i] = inputs[i].reshape(-1, block, kv_heads, inputs[i].shape[1] // kv_heads)
-    path = tmp_path / op.key
+    path = tmp_path / op.key.replace(".", "_")  # ms.export appends .mindir; a variant key has a dot
     ms.export(cell, *(None if x is None else ms.Tensor(x) for x in inputs), file_name=str(path), file_format="MINDIR")
     assert read_ops(path.with_suffix(".mindir")), "the exported graph holds no primitive"
 
@@ -195,6 +232,8 @@ def test_body_equals_reference(lowering: str, op: Op, example: Example, tmp_path
     assert len(got) == len(expected), f"{lowering} gave {len(got)} outputs, the reference {len(expected)}"
     for i, (g, want) in enumerate(zip(got, expected)):
         assert g.shape == want.shape, f"output {i}: {g.shape} vs the reference's {want.shape}"
+        assert g.dtype.name == want.dtype.name, f"output {i}: {g.dtype} vs the reference's {want.dtype}"
+        g, want = (x.astype(np.float32) if x.dtype.name == "bfloat16" else x for x in (g, want))
         np.testing.assert_allclose(g, want, atol=example.atol, rtol=example.rtol, err_msg=f"output {i}")
 
 

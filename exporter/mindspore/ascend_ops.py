@@ -132,7 +132,12 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     "mindspore-ascend", "exporter/mindspore/ascend_ops.py (shared: exporter/mindspore/common_ops.py)",
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
      op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
+     op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention})
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
     MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] "
                                  "weights with antiquant scale/offset; export refuses mindir with a quantization")
+for _op in (op_set.RESHAPE_AND_CACHE_BF16, op_set.PAGED_ATTENTION_BF16):
+    MINDSPORE_ASCEND.refuse(_op, "the Ascend graphs compute in float16 (a float16 cache)")
+for _op in (op_set.RESHAPE_AND_CACHE_INT8, op_set.PAGED_ATTENTION_INT8):
+    MINDSPORE_ASCEND.refuse(_op, "not lowered yet (PagedAttention's antiquant_scale/offset inputs)")

@@ -9,7 +9,9 @@ from typing import Callable
 
 from onnx import TensorProto, helper
 
+from exporter.onnx.kv_cache import Dequant
 from exporter.onnx.nodes import Nodes
+from graphs.kv_cache import cache_format
 
 NEG_INF = -1e30
 
@@ -165,7 +167,8 @@ def _owner(n: Nodes, items: str, ends: str) -> str:
     return n.op("ReduceSum", n.cast(before), n.const([1]), keepdims=0)
 
 
-def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str, context_lens: str) -> str:
+def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str, context_lens: str,
+                  dequant: Dequant) -> str:
     """Sequences with one query each (decode), reading the gathered [B, L, KV*D] rows as they are.
 
     Each query head is placed in its kv head's slice of an otherwise zero KV*D row, so scores and
@@ -184,7 +187,8 @@ def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str,
 
     def attend(b: Nodes) -> str:
         context_shape, heads_shape, placed_shape, products_shape, out_shape = shapes
-        keys, values = (b.op("Reshape", b.op("Gather", view, tables, axis=0), context_shape) for view in views)
+        keys, values = (dequant(b, b.op("Reshape", b.op("Gather", view, tables, axis=0), context_shape), kv)
+                        for view, kv in zip(views, "kv"))
         query = b.op("Reshape", b.op("Gather", "query", rows, axis=0), heads_shape)
         placed = b.op("Reshape", b.op("Mul", query, placement), placed_shape)
         scores = b.op("MatMul", placed, b.op("Transpose", keys, perm=[0, 2, 1]))  # [B, H, L]
@@ -195,7 +199,13 @@ def _single_query(n: Nodes, h: _Heads, views: list[str], rows: str, tables: str,
     return _when(n, n.op("Greater", seqs, n.const([0])), h.width, attend)
 
 
-def paged_attention(n: Nodes) -> list[str]:
+def paged_attention_for(kv_cache_dtype: str) -> Callable[[Nodes], list[str]]:
+    """The body for pools of `kv_cache_dtype`: gathered K/V rows are read back as float32 (graphs/kv_cache.py)."""
+    fmt = cache_format(kv_cache_dtype)
+    return lambda n: _paged_attention(n, Dequant(n, fmt))
+
+
+def _paged_attention(n: Nodes, dequant: Dequant) -> list[str]:
     """Multi-query sequences (prefill chunks) first, then single-query ones, as the packer orders them.
 
     Each group reads only the block-table columns its longest context needs (not the gear's M),
@@ -215,19 +225,20 @@ def paged_attention(n: Nodes) -> list[str]:
     rows = _Rows(n, [starts, q_lens, context_lens, tables, blocks])
     views = _block_views(n, h)
     m_starts, m_lens, m_ctx, m_tables, _ = rows.take(n.const([0]), multi)
-    outs = [_multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens), _pool_tiles(n, views, m_tables))]
+    outs = [_multi_query(n, h, m_starts, m_lens, n.op("Sub", m_ctx, m_lens), _pool_tiles(n, h, views, m_tables, dequant))]
     split = n.op("Add", multi, _best_split(n, rows.take(multi, real)[4]))
     for lo, hi in ((multi, split), (split, real)):
         s_starts, _, s_ctx, s_tables, s_blocks = rows.take(lo, hi)
-        outs.append(_single_query(n, h, views, s_starts, _used_columns(n, s_tables, s_blocks), s_ctx))
+        outs.append(_single_query(n, h, views, s_starts, _used_columns(n, s_tables, s_blocks), s_ctx, dequant))
     out = n.op("Concat", *outs, axis=0)
     padding = n.op("Sub", n.shape_dim("query", 0), n.shape_dim(out, 0))
     return [n.op("Pad", out, _shape(n, 0, 0, padding, 0))]
 
 
-def _pool_tiles(n: Nodes, views: list[str], tables: str) -> Context:
+def _pool_tiles(n: Nodes, h: _Heads, views: list[str], tables: str, dequant: Dequant) -> Context:
     """Tile contexts read from the pools: the leading blocks of the tile's sequence that its keys need."""
     block_size = n.unsqueeze(n.attr_const("block_size", "int"), [0])
+    rows_shape = _shape(n, -1, h.kv_width)
 
     def prepare(tile_seq: str, tile_keys: str) -> TileReader:
         blocks = n.op("Div", n.op("Add", tile_keys, n.op("Sub", block_size, n.const([1]))), block_size)
@@ -238,6 +249,9 @@ def _pool_tiles(n: Nodes, views: list[str], tables: str) -> Context:
             used = body.op("Gather", blocks, body.unsqueeze(i, [0]), axis=0)
             ids = body.op("Slice", table, body.const([0]), used, body.const([0]))
             keys, values = (body.op("Gather", view, ids, axis=0) for view in views)  # [blocks, block_size*KV*D]
+            if not dequant.identity:
+                keys, values = (dequant(body, body.op("Reshape", x, rows_shape), kv)
+                                for x, kv in ((keys, "k"), (values, "v")))
             return keys, values, body.op("Gather", length, i, axis=0)
         return read
     return prepare

@@ -24,10 +24,12 @@ from onnx import TensorProto, helper
 from exporter.onnx.attention import NEG_INF
 from exporter.onnx.graph_builder import OnnxBuilder
 from exporter.onnx.lowering import ONNX
+from exporter.onnx.kv_cache import from_cache, to_cache
 from exporter.onnx.nodes import Nodes
 from graphs import contract as c
 from graphs import llama, ops
 from graphs.config import ModelConfig
+from graphs.kv_cache import CacheFormat, cache_format
 from graphs.ops.op import Attributes, Lowering, Op
 
 
@@ -38,8 +40,8 @@ class ContiguousBuilder(OnnxBuilder):
     so the baseline stores no weights of its own.
     """
 
-    def __init__(self, config: ModelConfig, external: dict[str, onnx.TensorProto]) -> None:
-        super().__init__(config, {name: np.zeros(0, np.float32) for name in external})
+    def __init__(self, config: ModelConfig, external: dict[str, onnx.TensorProto], kv_cache_dtype: str = "float32") -> None:
+        super().__init__(config, {name: np.zeros(0, np.float32) for name in external}, kv_cache_dtype)
         self.external = external
         self._shared: dict[str, str] = {}  # per-step tensors every layer reuses (indices, mask)
         self._pool_dims = ["B", config.num_kv_heads, "max_len", config.head_dim]
@@ -47,13 +49,13 @@ class ContiguousBuilder(OnnxBuilder):
     def input(self, name: str) -> str:
         if name in c.INPUT_DTYPES:
             return super().input(name)
-        self.inputs.setdefault(name, helper.make_tensor_value_info(name, TensorProto.FLOAT, self._pool_dims))
+        self.inputs.setdefault(name, helper.make_tensor_value_info(name, self.cache_type, self._pool_dims))
         return name
 
     def output(self, name: str, value: str) -> None:
         super().output(name, value)
         if name != c.LOGITS:
-            self.outputs[-1] = helper.make_tensor_value_info(name, TensorProto.FLOAT, self._pool_dims)
+            self.outputs[-1] = helper.make_tensor_value_info(name, self.cache_type, self._pool_dims)
 
     def emit(self, op: Op, *inputs: str | None, **attrs: Any) -> Any:
         return CONTIGUOUS.emit(self, op, inputs, attrs)
@@ -100,39 +102,68 @@ class ContiguousBuilder(OnnxBuilder):
         return model
 
 
-def _reshape_and_cache(b: ContiguousBuilder, inputs: Sequence[str], attrs: Attributes) -> list[str]:
-    # The pool input feeds ScatterND directly and ScatterND's output is the graph output: in place.
-    key, value, k_cache, v_cache, slot_mapping = inputs
-    index = b.scatter_indices(slot_mapping, k_cache)
-    rows = b.n.const([0, b.config.num_kv_heads, b.config.head_dim])
-    return [b.n.op("ScatterND", k_cache, index, b.n.op("Reshape", key, rows)),
-            b.n.op("ScatterND", v_cache, index, b.n.op("Reshape", value, rows))]
+ContiguousBody = Callable[["ContiguousBuilder", Sequence[str], Any], list[str]]
 
 
-def _paged_attention(b: ContiguousBuilder, inputs: Sequence[str], attrs: Any) -> list[str]:
-    """Attention over each row's whole [KV, max_len, D] cache row, masked causally (block_tables unused)."""
-    query, k_cache, v_cache, _, context_lens, _ = inputs
+def _reshape_and_cache_for(kv_cache_dtype: str) -> ContiguousBody:
+    fmt = cache_format(kv_cache_dtype)
+
+    def body(b: ContiguousBuilder, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+        # The pool input feeds ScatterND directly and ScatterND's output is the graph output: in place.
+        key, value, k_cache, v_cache, slot_mapping, *params = inputs
+        k_inv, k_off, v_inv, v_off = params or (None,) * 4
+        index = b.scatter_indices(slot_mapping, k_cache)
+        rows = b.n.const([0, b.config.num_kv_heads, b.config.head_dim])
+        key, value = to_cache(b.n, fmt, key, k_inv, k_off), to_cache(b.n, fmt, value, v_inv, v_off)
+        return [b.n.op("ScatterND", k_cache, index, b.n.op("Reshape", key, rows)),
+                b.n.op("ScatterND", v_cache, index, b.n.op("Reshape", value, rows))]
+    return body
+
+
+def _read(b: ContiguousBuilder, fmt: CacheFormat, pool: str, scale: str | None, offset: str | None) -> str:
+    """A whole [B, KV, max_len, D] cache as float32 (int8: per-channel parameters viewed as [1, KV, 1, D])."""
+    n = b.n
+    if scale is None or offset is None:
+        return from_cache(n, fmt, pool)
+    per_channel = n.const([1, b.config.num_kv_heads, 1, b.config.head_dim])
+    offset = n.op("Reshape", n.op("Cast", offset, to=TensorProto.FLOAT), per_channel)
+    return from_cache(n, fmt, pool, n.op("Reshape", scale, per_channel), offset)
+
+
+def _paged_attention_for(kv_cache_dtype: str) -> ContiguousBody:
+    fmt = cache_format(kv_cache_dtype)
+    return lambda b, inputs, attrs: _paged_attention(b, fmt, inputs, attrs)
+
+
+def _paged_attention(b: ContiguousBuilder, fmt: CacheFormat, inputs: Sequence[str], attrs: Any) -> list[str]:
+    """Attention over each row's whole [KV, max_len, D] cache row, read back as float32 and masked causally
+    (block_tables unused)."""
+    query, k_pool, v_pool, _, context_lens, _, *params = inputs
+    k_scale, k_off, v_scale, v_off = params or (None,) * 4
     n, dim, heads, kv_heads = b.n, attrs.head_dim, attrs.head_num, attrs.kv_head_num
+    k_cache, v_cache = _read(b, fmt, k_pool, k_scale, k_off), _read(b, fmt, v_pool, v_scale, v_off)
     group = heads // kv_heads
     seqs = n.shape_dim(context_lens, 0)
     q = n.op("Reshape", query, n.op("Concat", seqs, n.const([-1, kv_heads, group, dim]), axis=0))
     q = n.op("Reshape", n.op("Transpose", q, perm=[0, 2, 1, 3, 4]), n.const([0, 0, -1, dim]))  # [B, KV, S*G, D]
     q = n.op("Mul", q, n.const(attrs.qk_scale, dtype=np.float32))
     scores = n.op("MatMul", q, n.op("Transpose", k_cache, perm=[0, 1, 3, 2]))  # ORT fuses the transpose away
-    scores = n.op("Where", b.mask(context_lens, k_cache, group), scores, n.const(NEG_INF, dtype=np.float32))
+    scores = n.op("Where", b.mask(context_lens, k_pool, group), scores, n.const(NEG_INF, dtype=np.float32))
     out = n.op("MatMul", n.op("Softmax", scores, axis=-1), v_cache)  # [B, KV, S*G, D]
     out = n.op("Reshape", out, n.op("Concat", seqs, n.const([kv_heads, -1, group, dim]), axis=0))
     return [n.op("Reshape", n.op("Transpose", out, perm=[0, 2, 1, 3, 4]), n.const([-1, heads * dim]))]
 
 
-CONTIGUOUS: Lowering[Any] = Lowering("contiguous", "exporter/onnx/contiguous.py",
-                                     {ops.RESHAPE_AND_CACHE: _reshape_and_cache, ops.PAGED_ATTENTION: _paged_attention},
-                                     fallback=ONNX)
+CONTIGUOUS: Lowering[Any] = Lowering("contiguous", "exporter/onnx/contiguous.py", {
+    **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
+    **{attend: _paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()}}, fallback=ONNX)
 
 
-def naive_model(config: ModelConfig, paged: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
-    """Lower `graphs/llama.build` for a contiguous cache; `paged` is the paged graph loaded without its weights."""
+def naive_model(config: ModelConfig, paged: onnx.ModelProto, block_size: int,
+                kv_cache_dtype: str = "float32") -> onnx.ModelProto:
+    """Lower `graphs/llama.build` for a contiguous cache of `kv_cache_dtype`; `paged` is the paged graph of that
+    cache dtype loaded without its weights (an int8 graph's own inline initializers are its scales)."""
     external = {t.name: t for t in paged.graph.initializer}
-    builder = ContiguousBuilder(config, external)
-    llama.build(builder, config, block_size)
+    builder = ContiguousBuilder(config, external, kv_cache_dtype)
+    llama.build(builder, config, block_size, kv_cache_dtype=kv_cache_dtype)
     return builder.model("pagedgraph-naive")

@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from exporter.onnx.lowering import ONNX, OnnxBody, OnnxGraph
 from graphs import contract as c
 from graphs.config import ModelConfig
+from graphs.kv_cache import cache_format
 from graphs.ops.op import Lowering, Op
 
 IR_VERSION = 10
@@ -18,14 +19,21 @@ NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Ten
                np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8}
 
 
+def onnx_type(dtype: str | np.dtype) -> int:
+    """The ONNX element type of a numpy dtype or dtype name (bfloat16 by name: MindSpore registers its own)."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    return TensorProto.BFLOAT16 if name == "bfloat16" else NP_TO_ONNX[np.dtype(name)]
+
+
 class OnnxBuilder(OnnxGraph):
     """Collects one graph with symbolic bucket dims; weights stay numpy until `model()`."""
 
     lowering: Lowering[OnnxBody] = ONNX
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], kv_cache_dtype: str = "float32") -> None:
         super().__init__()
         self.config = config
+        self.cache_type = cache_format(kv_cache_dtype).onnx_type  # the KV pools' element type
         self.weights = weights
         self.inputs: dict[str, onnx.ValueInfoProto] = {}
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -41,7 +49,7 @@ class OnnxBuilder(OnnxGraph):
                 info = helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(c.INPUT_DTYPES[name])],
                                                      list(c.INPUT_DIMS[name]))
             else:  # a KV pool
-                info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", self.config.kv_size])
+                info = helper.make_tensor_value_info(name, self.cache_type, ["num_slots", self.config.kv_size])
             self.inputs[name] = info
         return name
 
@@ -55,7 +63,7 @@ class OnnxBuilder(OnnxGraph):
         if name == c.LOGITS:
             info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", self.config.vocab_size])
         else:
-            info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", self.config.kv_size])
+            info = helper.make_tensor_value_info(name, self.cache_type, ["num_slots", self.config.kv_size])
         self.outputs.append(info)
 
     def model(self, name: str) -> onnx.ModelProto:
@@ -90,8 +98,8 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
     out_names = [f"{t.name}_{i}" if t.variadic else t.name for i, t in enumerate(specs)]
     for value, out in zip(outputs, out_names):
         builder.n.rename(value, out)
-    infos = [helper.make_tensor_value_info(name, NP_TO_ONNX[x.dtype], [f"{name}_{i}" for i in range(x.ndim)])
+    infos = [helper.make_tensor_value_info(name, onnx_type(x.dtype), [f"{name}_{i}" for i in range(x.ndim)])
              for name, x in zip(names, inputs) if x is not None]
-    outs = [helper.make_tensor_value_info(o, NP_TO_ONNX[np.dtype(t.dtypes[0])],
-                                          [f"{o}_{i}" for i in range(len(t.shape))]) for o, t in zip(out_names, specs)]
+    outs = [helper.make_tensor_value_info(o, onnx_type(t.dtypes[0]), [f"{o}_{i}" for i in range(len(t.shape))])
+            for o, t in zip(out_names, specs)]
     return make_model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)

@@ -16,8 +16,10 @@ from typing import Any, Callable, Sequence
 from onnx import FunctionProto, helper
 
 from exporter.onnx import attention, quantized
+from exporter.onnx.kv_cache import to_cache
 from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
 from graphs import ops
+from graphs.kv_cache import cache_format
 from graphs.ops.op import Attributes, Lowering, Op
 
 
@@ -78,9 +80,15 @@ def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> li
     return [g.n.op("Gemm", *(i for i in inputs if i is not None), transB=1)]
 
 
-def _reshape_and_cache(n: Nodes) -> list[str]:
-    index = n.unsqueeze("slot_mapping", [1])
-    return [n.op("ScatterND", "k_cache", index, "key"), n.op("ScatterND", "v_cache", index, "value")]
+def _reshape_and_cache_for(kv_cache_dtype: str) -> Callable[[Nodes], list[str]]:
+    """The write into pools of `kv_cache_dtype`: rows as they are (float32), cast, or quantized (int8)."""
+    fmt = cache_format(kv_cache_dtype)
+
+    def body(n: Nodes) -> list[str]:
+        index = n.unsqueeze("slot_mapping", [1])
+        key, value = (to_cache(n, fmt, x, f"{kv}_inv_scale", f"{kv}_offset") for x, kv in (("key", "k"), ("value", "v")))
+        return [n.op("ScatterND", "k_cache", index, key), n.op("ScatterND", "v_cache", index, value)]
+    return body
 
 
 def _rms_norm(n: Nodes) -> list[str]:
@@ -109,8 +117,9 @@ def _swiglu(n: Nodes) -> list[str]:
 
 
 _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
-    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.RESHAPE_AND_CACHE: _reshape_and_cache,
-    ops.PAGED_ATTENTION: attention.paged_attention, ops.SELF_ATTENTION: attention.self_attention,
+    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
+    **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
+    **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
 }
 ONNX: Lowering[OnnxBody] = Lowering(
     "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",

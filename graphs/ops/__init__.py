@@ -6,6 +6,8 @@ OP_SET_VERSION when a contract changes: artifacts record it and the runtime refu
 """
 from graphs.ops.add import ADD, add
 from graphs.ops.gather import GATHER, gather
+from graphs.ops.kv_cache_variants import (KV_CACHE_OPS, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8,
+                                          RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8)
 from graphs.ops.linear import LINEAR, linear
 from graphs.ops.linear_block_quantized import GATHER_BLOCK_QUANTIZED, LINEAR_BLOCK_QUANTIZED
 from graphs.ops.op import Op
@@ -20,10 +22,13 @@ from graphs.ops.swiglu import SWIGLU, swiglu
 OP_SET_VERSION = 1
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.
 OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED, RMS_NORM, ROPE,
-                       SWIGLU, RESHAPE_AND_CACHE, PAGED_ATTENTION, SELF_ATTENTION)
+                       SWIGLU, RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
+                       PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION)
 
 __all__ = [
-    "ADD", "GATHER", "GATHER_BLOCK_QUANTIZED", "LINEAR", "LINEAR_BLOCK_QUANTIZED", "OPS", "OP_SET_VERSION",
-    "PAGED_ATTENTION", "RESHAPE_AND_CACHE", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",
+    "ADD", "GATHER", "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BLOCK_QUANTIZED", "OPS",
+    "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16", "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8",
+    "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16", "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE",
+    "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",
     "rms_norm", "rope", "self_attention", "split", "swiglu",
 ]
