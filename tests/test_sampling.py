@@ -88,7 +88,7 @@ def test_logit_bias_is_clamped_and_validated() -> None:
 
 
 @pytest.mark.parametrize("field, value, rule", [
-    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -3, "[-2, 2]"), ("repetition_penalty", 0, "(0, 2]"),
+    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -3, "[-2, 2]"), ("repetition_penalty", 0, "> 0"),
     ("min_p", 1.5, "[0, 1]"), ("min_tokens", -1, ">= 0"), ("min_tokens", 17, "at most max_tokens = 16"),
     ("presence_penalty", float("inf"), "[-2, 2]"),
 ])
@@ -121,7 +121,11 @@ def test_a_batch_without_processing_is_read_in_place_and_a_processed_one_allocat
     plain = [sequence([1], [], SamplingParams(temperature=0)) for _ in range(16)]
     sampler = Sampler(vocab, [Penalties(vocab, [EOS])])
     assert sampler.sample(logits, plain) == np.argmax(logits, axis=1).tolist()
-    assert sampler._rows.shape[0] == 0  # never copied
+    tracemalloc.start()
+    sampler.sample(logits, plain)
+    plain_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert plain_peak < 2048 and sampler._rows.shape[0] == 0  # never copied: only the 16 token ids
 
     penalized = [sequence([1, 2, 3], [4], SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5,
                                                           repetition_penalty=1.2, logit_bias={9: 3.0}))
