@@ -21,26 +21,44 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def sample_row(row: np.ndarray, seq: Sequence) -> int:
+def sample_row(row: np.ndarray, seq: Sequence, scaled: np.ndarray | None = None) -> int:
+    """One token from `row` under the request's temperature, top_k, min_p and top_p (vLLM's order).
+
+    `scaled` (float64, the row's size) is the caller's scratch: the whole-vocabulary work happens in
+    it, and only the candidates a truncation keeps (top_k, min_p, the top_p nucleus) get sorted, so
+    a plain temperature draw sorts nothing and allocates nothing.
+    """
     params = seq.params
     if params.greedy:
         return int(np.argmax(row))
-    scaled = row.astype(np.float64) / params.temperature
-    if 0 < params.top_k < scaled.size:
-        candidates = np.argpartition(scaled, -params.top_k)[-params.top_k:]
-    else:
-        candidates = np.arange(scaled.size)
-    order = candidates[np.argsort(scaled[candidates])[::-1]]
-    probs = np.exp(scaled[order] - scaled[order[0]])  # probs[0] == 1: the top token
-    if params.min_p > 0:  # probabilities relative to the top token's, so before normalizing
-        keep = int(np.count_nonzero(probs >= params.min_p))
-        order, probs = order[:keep], probs[:keep]
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
-        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     assert seq.rng is not None
-    return int(order[seq.rng.choice(order.size, p=probs)])
+    probs = np.empty(row.size, np.float64) if scaled is None else scaled
+    np.multiply(row, 1.0 / params.temperature, out=probs)
+    probs -= probs.max()
+    np.exp(probs, out=probs)  # unnormalized; the top token's is 1
+    top_k = params.top_k if 0 < params.top_k < probs.size else 0
+    if not (top_k or params.min_p > 0 or params.top_p < 1.0):
+        np.cumsum(probs, out=probs)
+        return int(np.searchsorted(probs, seq.rng.random() * probs[-1], side="right"))
+    candidates = np.flatnonzero(probs >= params.min_p) if params.min_p > 0 else None  # relative to the top token
+    if top_k and (candidates is None or candidates.size > top_k):
+        pool = probs if candidates is None else probs[candidates]
+        best = np.argpartition(pool, -top_k)[-top_k:]
+        candidates = best if candidates is None else candidates[best]
+    kept = None  # the mass top_p is a share of: all the candidates', unless they are only a top-m subset
+    if candidates is None:  # top_p alone: widen a top-m set until it holds the nucleus, then sort only it
+        kept, m = probs.sum(), 64
+        while True:
+            candidates = np.argpartition(probs, -m)[-m:] if m < probs.size else np.arange(probs.size)
+            if m >= probs.size or probs[candidates].sum() >= params.top_p * kept:
+                break
+            m *= 8
+    order = candidates[np.argsort(probs[candidates])[::-1]]
+    mass = np.cumsum(probs[order])
+    if params.top_p < 1.0:
+        keep = int(np.searchsorted(mass, params.top_p * (mass[-1] if kept is None else kept)) + 1)
+        order, mass = order[:keep], mass[:keep]
+    return int(order[np.searchsorted(mass, seq.rng.random() * mass[-1], side="right")])
 
 
 class Sampler:
@@ -51,6 +69,7 @@ class Sampler:
         self.processors: list[LogitsProcessor] = list(processors)
         self.seconds: dict[str, float] = {p.name: 0.0 for p in self.processors}  # cumulative, per processor
         self._rows = np.empty((0, vocab_size), np.float32)  # grown once to the most processed rows of a step
+        self._scaled = np.empty(vocab_size, np.float64)  # sample_row's scratch
 
     def add(self, processor: LogitsProcessor) -> None:
         self.processors.append(processor)
@@ -61,7 +80,7 @@ class Sampler:
         if not processed:
             if all(s.params.greedy for s in seqs):  # one vectorized argmax
                 return np.argmax(logits, axis=1).tolist()
-            return [sample_row(logits[i], s) for i, s in enumerate(seqs)]
+            return [sample_row(logits[i], s, self._scaled) for i, s in enumerate(seqs)]
         if len(processed) > self._rows.shape[0]:
             self._rows = np.empty((len(processed), self.vocab_size), np.float32)
         rows = self._rows[:len(processed)]
@@ -73,7 +92,7 @@ class Sampler:
             processor.apply(rows, chosen)
             self.seconds[processor.name] += time.perf_counter() - start
         slot = dict(zip(processed, range(len(processed))))
-        tokens = [sample_row(rows[slot[i]] if i in slot else logits[i], s) for i, s in enumerate(seqs)]
+        tokens = [sample_row(rows[slot[i]] if i in slot else logits[i], s, self._scaled) for i, s in enumerate(seqs)]
         for processor in self.processors:
             start = time.perf_counter()
             for seq, i in zip(chosen, processed):

@@ -7,6 +7,7 @@ References, on fixed random logits:
 """
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
@@ -227,3 +228,48 @@ def test_generate_jsonl_takes_the_sampling_fields(engine, smollm2_artifact, tmp_
     assert lines[0]["token_ids"] == want.output_token_ids
     assert lines[1]["error"].startswith("logit_bias: token id 99999999 is out of range")
     assert lines[2]["error"] == "min_tokens: 50 must be at most max_tokens = 4"
+
+
+def reference_distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """vLLM's definitions, directly: softmax(row / T), then top_k, min_p (against the top probability), and the
+    smallest top_p nucleus of what is left, renormalized."""
+    probs = np.exp(row / params.temperature - np.max(row / params.temperature))
+    probs /= probs.sum()
+    keep = np.ones(row.size, bool)
+    if 0 < params.top_k < row.size:
+        keep[np.argsort(-probs)[params.top_k:]] = False
+    keep &= probs >= params.min_p * probs.max()
+    probs = np.where(keep, probs, 0.0) / probs[keep].sum()
+    if params.top_p < 1:
+        order = np.argsort(-probs)
+        inside = np.cumsum(probs[order]) - probs[order] < params.top_p  # the mass before it is short of top_p
+        probs[order[~inside]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize("params, vocab", [
+    (SamplingParams(temperature=1.0, seed=3), 300), (SamplingParams(temperature=0.7, top_k=5, seed=3), 300),
+    (SamplingParams(temperature=1.3, top_p=0.8, seed=3), 300), (SamplingParams(temperature=1.0, min_p=0.2, seed=3), 300),
+    (SamplingParams(temperature=0.9, top_k=12, min_p=0.05, top_p=0.9, seed=3), 300),
+    # top_p alone over a top-m subset (nucleus of 24 tokens: m = 64; of 239: m = 512), not the whole vocabulary
+    (SamplingParams(temperature=1.0, top_p=0.8, seed=3), 300), (SamplingParams(temperature=0.6, top_p=0.7, seed=3), 3000), (SamplingParams(temperature=1.0, top_p=0.7, seed=3), 3000),
+])
+def test_sampled_tokens_follow_the_reference_distribution(params: SamplingParams, vocab: int) -> None:
+    row = np.random.default_rng(5).standard_normal(vocab).astype(np.float32) * 2
+    want = reference_distribution(row, params)
+    seq = sequence([1], [], params)
+    scratch = np.empty(row.size)
+    draws = 30000
+    got = np.bincount([sample_row(row, seq, scratch) for _ in range(draws)], minlength=row.size)
+    assert not got[want == 0].any()  # never outside the kept set
+    # Pearson's chi-square over the tokens expected >= 5 times (the rest pooled), against its 1e-4 quantile
+    # (Wilson-Hilferty): a wrong distribution fails, sampling noise passes.
+    expected = want * draws
+    big = expected >= 5
+    observed = np.append(got[big], got[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.size - 1
+    assert chi2 < df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3, (chi2, df)
