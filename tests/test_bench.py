@@ -54,6 +54,9 @@ def test_poisson_bench_against_naive(smollm2_artifact: Path) -> None:
     assert set(results["decode_step_s"]) == set(results["naive_decode_step_s"]) == {"16", "48"}
     assert results["decode_step_s_one_long"] > 0
     assert set(results["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in results["naive_decode_tok_s"].values())
+    cost = results["structured_output"]  # the grammar masks of 4 constrained sequences, inside their step
+    assert 0 < cost["mask_s_per_step"] < cost["constrained_step_s"] and cost["unconstrained_step_s"] > 0
+    assert "structured output: mask s / decode step s" in text_table(results)
     assert results["custom_ops"] is True  # "auto", and scripts/test.sh fetched the header the custom ops need
     assert "| padding waste |" in markdown_table(results) and "paged/naive" in text_table(results)
     assert "executor onnxruntime, custom ops on, float32, quantization none" in text_table(results)

@@ -1,6 +1,8 @@
 """Small fixed experiments beside the workload: decode step time vs context, decode tok/s vs concurrency."""
 from __future__ import annotations
 
+import json
+import statistics
 import time
 
 import numpy as np
@@ -8,7 +10,19 @@ import numpy as np
 from runtime.bench.metrics import RunRecord
 from runtime.bench.runner import bench_params, run_engine
 from runtime.bench.workloads import FIRST_PLAIN_TOKEN, BenchRequest
+from runtime.constraints import Constraint
 from runtime.engine import LLMEngine
+from runtime.sampling_params import SamplingParams
+
+# An endless JSON array of records (no closing bracket, so no sequence finishes while it is timed): keys,
+# enums, strings, integers and nesting, the mask states a JSON-schema request walks through.
+RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "tags", "address"],
+          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "maximum": 130},
+                         "role": {"enum": ["admin", "user", "guest"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+                         "address": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                     "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+ENDLESS_RECORDS = Constraint("lark", f'start: "[" record (", " record)*\nrecord: %json {json.dumps(RECORD)}\n', "bench")
 
 
 def random_requests(vocab_size: int, count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[BenchRequest]:
@@ -41,6 +55,32 @@ def engine_decode_step_s(engine: LLMEngine, contexts: list[int], steps: int = 8,
     for request_id in ids:
         engine.abort(request_id)
     return min(times)
+
+
+def structured_output_cost(engine: LLMEngine, batch: int, steps: int = 24, seed: int = 0) -> dict[str, float]:
+    """Median decode step of `batch` sequences constrained by a JSON grammar, the part of it spent on their
+    masks (the sampler's structured_output seconds), and the same batch unconstrained."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(FIRST_PLAIN_TOKEN, engine.model.vocab_size, 32).tolist() for _ in range(batch)]
+    out: dict[str, float] = {}
+    for name, constraint in (("constrained", ENDLESS_RECORDS), ("unconstrained", None)):
+        params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, structured_output=constraint)
+        ids = [engine.add_request(p, params, f"structured-{name}-{i}").request_id for i, p in enumerate(prompts)]
+        while sum(1 for s in engine.scheduler.running if s.output_token_ids) < batch:
+            engine.step()
+        step_s, mask_s = [], []
+        for _ in range(steps):
+            masks_before, start = engine.sampler.seconds.get("structured_output", 0.0), time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - start)
+            mask_s.append(engine.sampler.seconds.get("structured_output", 0.0) - masks_before)
+        for request_id in ids:
+            engine.abort(request_id)
+        out[f"{name}_step_s"] = statistics.median(step_s)
+        if constraint is not None:
+            out["mask_s_per_step"] = statistics.median(mask_s)
+    out["mask_over_step"] = out["mask_s_per_step"] / out["constrained_step_s"]
+    return out
 
 
 def decode_tok_s(record: RunRecord) -> float:

@@ -59,6 +59,10 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
         contexts = results["options"]["contexts"]
         table.append(_row(f"decode step s, {results['options']['decode_batch'] - 1} x {min(contexts)} + 1 x "
                           f"{max(contexts)}", results["decode_step_s_one_long"], None, lambda v: f"{v:.4f}"))
+    if "structured_output" in results:
+        cost = results["structured_output"]
+        table.append(_row(f"structured output: mask s / decode step s, B={results['options']['decode_batch']}",
+                          cost["mask_s_per_step"], cost["constrained_step_s"], lambda v: f"{v:.4f}"))
     for n, tok_s in results.get("decode_tok_s", {}).items():
         table.append(_row(f"decode tok/s, {n} concurrent", tok_s, results.get("naive_decode_tok_s", {}).get(n),
                           lambda v: f"{v:.1f}"))

@@ -205,6 +205,7 @@ def _micro(options: BenchOptions, naive: NaiveRunner | None, vocab_size: int, lo
         "decode_step_s_one_long": micro.engine_decode_step_s(engine, [short] * (batch - 1) + [long], seed=options.seed),
         "decode_tok_s": micro.engine_concurrency(engine, options.concurrency, options.concurrency_prompt,
                                                  options.concurrency_tokens, options.seed),
+        "structured_output": micro.structured_output_cost(engine, batch, seed=options.seed),
     }
     del engine
     gc.collect()
