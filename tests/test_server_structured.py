@@ -240,3 +240,63 @@ def test_the_tool_result_goes_back_and_gets_an_answer(client: openai.OpenAI) -> 
         client.chat.completions.create(model=MODEL, messages=[*history[:2], {"role": "tool", "content": "18"}],
                                        max_tokens=4)
     assert info.value.response.json()["error"]["param"].startswith("messages.2")
+
+
+TOOLS_TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: "
+                  "{{ m.content }}{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} "
+                  "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}")
+
+
+def _tool_request(tool_choice: Any) -> Any:
+    from runtime.server.protocol import ChatCompletionRequest
+    from runtime.server.tool_calls import HermesParser, ToolRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": tool_choice})
+    return ToolRequest([t.model_dump(exclude_none=True) for t in body.tools or ()], body.tool_choice, True,
+                       HermesParser())
+
+
+def test_tools_reach_a_template_that_reads_them_and_the_system_prompt_otherwise() -> None:
+    from runtime.server.tool_calls import template_takes_tools
+
+    assert template_takes_tools(TOOLS_TEMPLATE) and not template_takes_tools("{{ messages[0].content }}")
+    history = [*ASK_WEATHER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "content": '{"celsius": 18}', "tool_call_id": "call_1"}]
+    tools = _tool_request("auto")
+    messages, variables = tools.render(history, takes_tools=True)
+    assert variables == {"tools": TOOLS}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    assert messages[2] == history[2]
+
+    messages, variables = tools.render(history, takes_tools=False)
+    assert variables == {} and messages[0]["role"] == "system"
+    assert all(json.dumps(t) in messages[0]["content"] for t in TOOLS) and "<tool_call>" in messages[0]["content"]
+    assert messages[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                                      '"unit": "celsius"}}\n</tool_call>')
+    assert messages[3] == {"role": "user", "content": '<tool_response>\n{"celsius": 18}\n</tool_response>'}
+
+    none_messages, none_variables = _tool_request("none").render(ASK_WEATHER, takes_tools=True)
+    assert none_variables == {} and none_messages == ASK_WEATHER
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Just text.  ", "Just text.", []),
+    ('Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+     '"arguments": "{\\"b\\": 2}"}\n</tool_call>', "Sure.", [("f", '{"a": 1}'), ("g", '{"b": 2}')]),
+    ("text <tool_call> not json </tool_call> more", "text <tool_call> not json </tool_call> more", []),
+    ('<tool_call>\n{"name": "f", "arg', '<tool_call>\n{"name": "f", "arg', []),
+    ("a <tool_ca", "a <tool_ca", []),
+])
+def test_the_call_splitter_gives_the_same_answer_in_any_pieces(text: str, content: str,
+                                                              calls: list[tuple[str, str]]) -> None:
+    from runtime.server.tool_calls import CallSplitter, HermesParser
+
+    for size in (len(text), 1, 2, 3, 7):
+        splitter, got, parsed = CallSplitter(HermesParser()), "", []
+        for start in range(0, len(text), size):
+            piece, new = splitter.push(text[start:start + size])
+            got, parsed = got + piece, parsed + new
+        got += splitter.finish()
+        assert (got, [(c.name, c.arguments) for c in parsed]) == (content, calls), size

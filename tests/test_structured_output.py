@@ -90,6 +90,13 @@ def test_masks_equal_llguidance_per_token_answer(tokenizer: Tokenizer) -> None:
     assert np.isfinite(rows[3]).sum() < 10  # the first token of "yes" / "no" / "maybe"
 
 
+def test_a_complete_grammar_outranks_min_tokens(llm: LLM) -> None:
+    """min_tokens masks EOS, but a request ends as soon as its grammar allows nothing else (only EOS)."""
+    out = llm.generate("A colour:", SamplingParams(max_tokens=8, temperature=0, min_tokens=6,
+                                                   structured_output={"choice": ["red", "green", "blue"]}))[0]
+    assert out.text in ("red", "green", "blue") and out.finish_reason == "stop" and out.error is None
+
+
 def test_compiled_grammars_are_cached_per_constraint(tokenizer: Tokenizer) -> None:
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, capacity=2)
     first, second, third = (Constraint("regex", r, "regex") for r in ("a+", "b+", "c+"))
