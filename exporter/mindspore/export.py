@@ -60,7 +60,8 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
 
     The gears compile in `workers` processes (default: `default_workers`, bounded by the cores and the
     available memory), each building a family's Cell once and reading the weights back from the shared
-    weights file; a progress bar with an ETA goes to `log`.
+    weights file; a progress bar with an ETA goes to `log`. The workers are spawned, so a script that
+    exports with more than one must call it under `if __name__ == "__main__":` (the CLI does).
     """
     from tqdm import tqdm
 
