@@ -219,7 +219,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.perf_counter())
-        if params.structured_output is not None:  # compiled (or found cached) here: a bad one queues nothing
+        if params.structured_outputs is not None:  # compiled (or found cached) here: a bad one queues nothing
             self.structured.start(seq)
         self._groups[request_id] = [seq]
         self._detok[seq] = self.tokenizer.detokenizer(skip_special_tokens=True)
@@ -343,7 +343,7 @@ class LLMEngine:
         seq.token_ids.append(token)
         self.stats.generated += 1
         params = seq.params
-        grammar = self.structured.state(seq) if params.structured_output is not None else None
+        grammar = self.structured.state(seq) if params.structured_outputs is not None else None
         if grammar is not None and grammar.error is not None:
             seq.error = grammar.error
             return self._finish(seq, "error")

@@ -47,7 +47,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # top-k logprobs reported per sampled token
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM's field); the first token has none
-    structured_output: Constraint | None = None  # the output must match it (runtime/structured_output.py)
+    structured_outputs: Constraint | None = None  # the output must match it (runtime/structured_output.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,10 +55,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if isinstance(self.structured_output, dict):  # vLLM's StructuredOutputsParams fields (JSONL, Python API)
+        if isinstance(self.structured_outputs, dict):  # vLLM's StructuredOutputsParams fields (JSONL, Python API)
             try:
-                object.__setattr__(self, "structured_output", Constraint.from_vllm(self.structured_output,
-                                                                                   "structured_output"))
+                object.__setattr__(self, "structured_outputs", Constraint.from_vllm(self.structured_outputs,
+                                                                                   "structured_outputs"))
             except ConstraintError as exc:
                 raise RequestError(exc.field, exc.problem) from None
         checks = [
@@ -89,7 +89,7 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or (
                 isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "must be an integer in [0, 20]"),
-            ("structured_output", self.structured_output is None or isinstance(self.structured_output, Constraint),
+            ("structured_outputs", self.structured_outputs is None or isinstance(self.structured_outputs, Constraint),
              "must be a Constraint or vLLM's structured_outputs fields ({\"json\": schema}, {\"regex\": ...}, ...)"),
         ]
         for name, ok, rule in checks:

@@ -159,7 +159,7 @@ class StructuredOutputs:
 
     def start(self, seq: "Sequence") -> None:
         """Compile (or find cached) `seq`'s constraint; raises RequestError naming the field if it is invalid."""
-        constraint = seq.params.structured_output
+        constraint = seq.params.structured_outputs
         assert constraint is not None
         seq.processor_state[self.name] = GrammarState(self.compiler.compile(constraint))
 
@@ -173,7 +173,7 @@ class StructuredOutputs:
         return state
 
     def wants(self, seq: "Sequence") -> bool:
-        return seq.params.structured_output is not None
+        return seq.params.structured_outputs is not None
 
     def apply(self, rows: np.ndarray, seqs: Seq["Sequence"]) -> None:
         mine = [j for j, seq in enumerate(seqs) if self.wants(seq)]

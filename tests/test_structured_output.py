@@ -36,7 +36,7 @@ MAX_TOKENS = 96
 
 
 def constrained(**extra: Any) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0, "structured_output": {"json": PERSON}, **extra})
+    return SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0, "structured_outputs": {"json": PERSON}, **extra})
 
 
 def check_person(text: str) -> None:
@@ -66,7 +66,7 @@ def test_masks_equal_llguidance_per_token_answer(tokenizer: Tokenizer) -> None:
     processor = StructuredOutputs(compiler)
     prefix = tokenizer.encode('{"name": "A', add_special_tokens=False)  # walks the first one into a string
     fields = [{"json": PERSON}, {"regex": "[0-9]+(ab|cd)"}, {"choice": ["yes", "no", "maybe"]}]
-    seqs = [Sequence(f"r{i}", [1], SamplingParams(structured_output=f), 0.0) for i, f in enumerate(fields)]
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(structured_outputs=f), 0.0) for i, f in enumerate(fields)]
     for seq in seqs:
         processor.start(seq)
     for token in prefix:
@@ -81,7 +81,7 @@ def test_masks_equal_llguidance_per_token_answer(tokenizer: Tokenizer) -> None:
     processor.apply(rows, batch)
     assert np.array_equal(rows[1], logits[1])
     for row, fields_, walked in ((0, fields[0], prefix), (2, fields[1], []), (3, fields[2], []), (4, fields[0], prefix)):
-        reference = compiler.compile(SamplingParams(structured_output=fields_).structured_output)
+        reference = compiler.compile(SamplingParams(structured_outputs=fields_).structured_outputs)
         assert reference.consume_tokens(walked)
         allowed = np.frombuffer(reference.compute_logit_bias(), np.uint8)[:tokenizer.vocab_size] > 0
         assert np.array_equal(np.isfinite(rows[row]), allowed)
@@ -93,7 +93,7 @@ def test_masks_equal_llguidance_per_token_answer(tokenizer: Tokenizer) -> None:
 def test_a_complete_grammar_outranks_min_tokens(llm: LLM) -> None:
     """min_tokens masks EOS, but a request ends as soon as its grammar allows nothing else (only EOS)."""
     out = llm.generate("A colour:", SamplingParams(max_tokens=8, temperature=0, min_tokens=6,
-                                                   structured_output={"choice": ["red", "green", "blue"]}))[0]
+                                                   structured_outputs={"choice": ["red", "green", "blue"]}))[0]
     assert out.text in ("red", "green", "blue") and out.finish_reason == "stop" and out.error is None
 
 
@@ -110,17 +110,17 @@ def test_compiled_grammars_are_cached_per_constraint(tokenizer: Tokenizer) -> No
 
 
 @pytest.mark.parametrize("fields, field, problem", [
-    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_output.json", "JSON schema"),
-    ({"json": {"type": "string", "pattern": "("}}, "structured_output.json", "JSON schema"),
-    ({"regex": "a(b"}, "structured_output.regex", "regular expression"),
-    ({"grammar": "start: missing_rule"}, "structured_output.grammar", "grammar"),
-    ({"choice": []}, "structured_output.choice", "non-empty list"),
-    ({"regex": "a", "choice": ["a"]}, "structured_output", "exactly one"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_outputs.json", "JSON schema"),
+    ({"json": {"type": "string", "pattern": "("}}, "structured_outputs.json", "JSON schema"),
+    ({"regex": "a(b"}, "structured_outputs.regex", "regular expression"),
+    ({"grammar": "start: missing_rule"}, "structured_outputs.grammar", "grammar"),
+    ({"choice": []}, "structured_outputs.choice", "non-empty list"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one"),
 ])
 def test_a_bad_constraint_is_a_request_error_naming_the_field(llm: LLM, fields: dict[str, Any], field: str,
                                                               problem: str) -> None:
     with pytest.raises(RequestError) as info:
-        llm.engine.add_request("hi", SamplingParams(structured_output=fields))
+        llm.engine.add_request("hi", SamplingParams(structured_outputs=fields))
     assert info.value.field == field and problem in str(info.value)
     assert not llm.engine.has_unfinished()
 
@@ -129,14 +129,14 @@ def test_constrained_and_unconstrained_requests_share_a_batch(llm: LLM, solo: di
     check_person(solo["person"].text)
     assert solo["person"].finish_reason == "stop"
     params = [constrained(), *[SamplingParams(max_tokens=12, temperature=0)] * len(PLAIN),
-              SamplingParams(max_tokens=16, temperature=0, structured_output={"regex": "[A-Z][a-z]+ [0-9]{2}"}),
-              SamplingParams(max_tokens=8, temperature=0, structured_output={"choice": ["red", "green", "blue"]})]
+              SamplingParams(max_tokens=16, temperature=0, structured_outputs={"regex": "[A-Z][a-z]+ [0-9]{2}"}),
+              SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["red", "green", "blue"]})]
     outputs = llm.generate([ASK, *PLAIN, "Name and age:", "A colour:"], params)
     assert outputs[0].token_ids == solo["person"].token_ids
     assert [o.token_ids for o in outputs[1:1 + len(PLAIN)]] == [solo[p].token_ids for p in PLAIN]
     assert re.fullmatch("[A-Z][a-z]+ [0-9]{2}", outputs[-2].text), outputs[-2].text
     assert outputs[-1].text in ("red", "green", "blue") and outputs[-1].finish_reason == "stop"
-    assert llm.engine.sampler.seconds["structured_output"] > 0
+    assert llm.engine.sampler.seconds["structured_outputs"] > 0
 
 
 def test_every_fork_of_a_sampled_request_follows_the_schema(llm: LLM) -> None:
@@ -153,3 +153,19 @@ def test_chunking_preemption_and_cache_hits_keep_the_constrained_output(smollm2_
     assert [o.token_ids for o in outputs] == [solo["person"].token_ids] * 2
     assert len(outputs[0].prompt_token_ids) > 16  # so the prompt went in several chunks
     assert small.engine.stats.cache.preemptions > 0 and small.engine.stats.cache.hits > 0
+
+
+def test_the_jsonl_of_pagedgraph_generate_takes_vllms_fields(smollm2_artifact: Path, tmp_path: Path) -> None:
+    from pagedgraph.cli import main
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": "A colour:", "max_tokens": 8, "temperature": 0,
+              "structured_outputs": {"choice": ["red", "green", "blue"]}},
+             {"prompt": "Digits:", "max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}"}},
+             {"prompt": "Bad:", "structured_outputs": {"regex": "(("}}]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["generate", "--artifact", str(smollm2_artifact), "--input", str(src), "--output", str(out),
+                 "--threads", "2"]) == 0
+    colour, digits, bad = (json.loads(line) for line in out.read_text().splitlines())
+    assert colour["text"] in ("red", "green", "blue") and re.fullmatch("[0-9]{3}", digits["text"])
+    assert bad["finish_reason"] == "error" and bad["error"].startswith("structured_outputs.regex: invalid regular")

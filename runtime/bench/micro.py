@@ -64,7 +64,7 @@ def structured_output_cost(engine: LLMEngine, batch: int, steps: int = 24, seed:
     prompts = [rng.integers(FIRST_PLAIN_TOKEN, engine.model.vocab_size, 32).tolist() for _ in range(batch)]
     out: dict[str, float] = {}
     for name, constraint in (("constrained", ENDLESS_RECORDS), ("unconstrained", None)):
-        params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, structured_output=constraint)
+        params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, structured_outputs=constraint)
         ids = [engine.add_request(p, params, f"structured-{name}-{i}").request_id for i, p in enumerate(prompts)]
         while sum(1 for s in engine.scheduler.running if s.output_token_ids) < batch:
             engine.step()

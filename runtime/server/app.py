@@ -136,7 +136,7 @@ class Frontend:
             constraint = structured_output(body, tools)
         except ConstraintError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
-        given = {"max_tokens": max_tokens, "logprobs": logprobs, "structured_output": constraint}
+        given = {"max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": constraint}
         try:
             return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None},
                                      **body.sampling()})
@@ -146,9 +146,9 @@ class Frontend:
     async def _compile(self, params: SamplingParams) -> None:
         """Compile the request's grammar on the tokenizer thread (cached for the engine), so a bad one is a 400
         and a large one never stalls the engine loop."""
-        if params.structured_output is None:
+        if params.structured_outputs is None:
             return
-        compile_ = partial(self.loop.engine.structured.compiler.compile, params.structured_output)
+        compile_ = partial(self.loop.engine.structured.compiler.compile, params.structured_outputs)
         try:
             await asyncio.get_running_loop().run_in_executor(self._tokenize, compile_)
         except RequestError as exc:
