@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence as Seq
@@ -79,11 +78,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: "llguidance.LLTokenizer | None" = None
         self.hits = self.misses = 0
-        self.compile_s = 0.0
 
     @property
     def ll_tokenizer(self) -> "llguidance.LLTokenizer":
-        """Built on first use (about 0.1 s on a 49k vocabulary), so unconstrained deployments never pay it."""
+        """Built on first use (0.24 s on a 49k vocabulary, docs/performance.md), so unconstrained deployments never pay it."""
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
@@ -100,18 +98,17 @@ class GrammarCompiler:
                 self.hits += 1
                 return template.deep_copy()
         template = self._build(constraint)
-        with self._lock:
+        with self._lock:  # copies are made under the lock: a template is never read by two threads at once
             self.misses += 1
             self._cache[constraint] = template
             self._cache.move_to_end(constraint)
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+            return template.deep_copy()
 
     def _build(self, constraint: Constraint) -> "llguidance.LLMatcher":
         import llguidance
 
-        start = time.perf_counter()
         tokenizer = self.ll_tokenizer
         try:
             grammar = _grammar_text(constraint)
@@ -123,7 +120,6 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(constraint.field, f"invalid {_WHAT[constraint.kind]}: {matcher.get_error()}")
-        self.compile_s += time.perf_counter() - start
         return matcher
 
 

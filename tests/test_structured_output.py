@@ -136,7 +136,7 @@ def test_constrained_and_unconstrained_requests_share_a_batch(llm: LLM, solo: di
     assert [o.token_ids for o in outputs[1:1 + len(PLAIN)]] == [solo[p].token_ids for p in PLAIN]
     assert re.fullmatch("[A-Z][a-z]+ [0-9]{2}", outputs[-2].text), outputs[-2].text
     assert outputs[-1].text in ("red", "green", "blue") and outputs[-1].finish_reason == "stop"
-    assert llm.engine.sampler.seconds["structured_outputs"] > 0
+    assert llm.engine.sampler.seconds["structured_output"] > 0
 
 
 def test_every_fork_of_a_sampled_request_follows_the_schema(llm: LLM) -> None:
