@@ -100,3 +100,28 @@ def test_bench_custom_ops_flag_reaches_the_options(monkeypatch: pytest.MonkeyPat
     with pytest.raises(Ran):
         main(["bench", "--artifact", "unused", "--custom-ops", "off"])
     assert seen[0].custom_ops == "off"
+
+
+def test_help_explains_every_option_and_version_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option of every command has help text, and one with a default shows it (the rest say what
+    happens without them); the top-level help carries no internal notes."""
+    import argparse
+
+    from pagedgraph import __version__
+    from pagedgraph.cli import _parser
+
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._get_help_string(action)
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            if action.default not in (None, False):
+                assert "(default: " in text, f"{name} {action.option_strings[0]} hides its default"
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"pagedgraph {__version__}"
+    assert "importing" not in (parser.description or "")
