@@ -198,17 +198,24 @@ def _arguments(call: Any, tools: list[dict[str, Any]] = TOOLS) -> dict[str, Any]
     return arguments
 
 
-def test_required_tool_choice_returns_a_valid_call_and_streams_the_same(client: openai.OpenAI) -> None:
+def test_required_tool_choice_returns_a_valid_call_and_streams_the_same(server: ServerThread) -> None:
     args: dict[str, Any] = {"model": MODEL, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required",
                             "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
-    whole = client.chat.completions.create(**args)
+
+    async def streamed(client: openai.AsyncOpenAI) -> list[Any]:
+        return [chunk async for chunk in await client.chat.completions.create(stream=True, **args)]
+
+    async def both() -> tuple[Any, list[Any]]:  # served together
+        client = aclient(server)
+        return await asyncio.gather(client.chat.completions.create(**args), streamed(client))
+
+    whole, chunks = asyncio.run(both())
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
     _arguments(call)
 
-    chunks = list(client.chat.completions.create(stream=True, **args))
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
     assert deltas and {d.index for d in deltas} == {0} and deltas[0].id and deltas[0].type == "function"
     assert "".join(d.function.name or "" for d in deltas) == call.function.name
