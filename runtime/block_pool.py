@@ -23,7 +23,6 @@ class CacheStats:
     queries: int = 0
     hits: int = 0
     evictions: int = 0
-    preemptions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -112,6 +111,11 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that can be handed out now: free ones plus evictable cached ones."""
         return len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a hash, used or evictable."""
+        return len(self.cached)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)

@@ -6,24 +6,25 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence as Seq, Union
+from typing import Any, Iterable, Mapping, Sequence as Seq
 
 from artifact.manifest import Manifest
 from graphs.contract import DECODE, PREFILL, Gear
 from runtime.block_pool import CacheStats
 from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager
+from runtime.kv_pools import KVPools
 from runtime.packer import Packer
 from runtime.logits_processors import Penalties
 from runtime.prompt_logprobs import PromptLogprobs, prompt_logprob_entries
+from runtime.prompts import Prompt, PromptEncoder
 from runtime.sampler import Sampler, top_logprobs
-from runtime.sampling_params import RequestError, SamplingParams, resolve_max_tokens
+from runtime.sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
+                                     resolve_max_tokens)
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SequenceStatus
 from runtime.structured_output import GrammarCompiler, StructuredOutputs
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-
-Prompt = Union[str, Seq[int], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class EngineStats:
     tokens_real: int = 0
     generated: int = 0
     bucket_hits: dict[str, int] = field(default_factory=dict)
-    cache: CacheStats = field(default_factory=CacheStats)  # live KV counters: hit rate, evictions, preemptions
+    cache: CacheStats = field(default_factory=CacheStats)  # live KV counters: hit rate, evictions
 
 
 class LLMEngine:
@@ -136,9 +137,7 @@ class LLMEngine:
         self.model = self.manifest.model
         self.tokenizer = Tokenizer.from_dir(self.artifact)
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
-        block_size = self.manifest.block_size
-        bytes_per_block = 2 * self.model.num_layers * block_size * self.model.kv_size * 4
-        num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
         self.packer = Packer(self.manifest)
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
         # The most logits rows one step returns: the widest prefill gear's B (prompt logprobs need a row per token).
@@ -148,12 +147,14 @@ class LLMEngine:
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
+        self.pools = KVPools(self.manifest, config.num_blocks) if config.num_blocks \
+            else KVPools.for_budget(self.manifest, config.kv_cache_bytes)
+        self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
                                  config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
                                    self.max_logits_rows)
-        self.executor = make_executor(config.executor, self.artifact, self.manifest, num_blocks, config.threads,
+        self.executor = make_executor(config.executor, self.artifact, self.manifest, self.pools, config.threads,
                                       config.custom_ops)
         self.stats = EngineStats(cache=self.kv.stats)
         self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
@@ -176,49 +177,47 @@ class LLMEngine:
         return min(config.max_num_seqs, max_seqs), min(config.max_num_batched_tokens, max_tokens)
 
     # -- requests ---------------------------------------------------------------------------
-    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "messages" in prompt:
-                text = self.tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-                return self.tokenizer.encode(text, add_special_tokens=False)
-            if "prompt" in prompt:
-                return self.tokenizer.encode(prompt["prompt"])
-            raise RequestError("prompt", "a request needs one of prompt, prompt_token_ids or messages")
-        return list(prompt)
+    def new_request_id(self) -> str:
+        """The one request-id minter (the server's too); safe from any thread: `next` on a count is atomic."""
+        return f"req-{next(self._ids)}"
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival: float | None = None) -> Sequence:
-        """Validate and queue a request; raises RequestError (nothing queued) if it cannot be served."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival: float | None = None,
+                    default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Sequence:
+        """Check and queue a request: the one place it is checked; raises RequestError (nothing queued).
+
+        `params.max_tokens` None is `default_max_tokens` (a deployment's sampling.max_tokens) capped to the
+        context left after the prompt; a max_tokens that was given and does not fit is refused.
+        """
+        if isinstance(prompt_token_ids, (str, Mapping)):
+            raise TypeError("add_request takes token ids; turn text or chat messages into them with "
+                            "engine.prompts.token_ids(prompt)")
         params = params or self.default_params
-        ids = self.prompt_token_ids(prompt)
+        ids, limit = prompt_token_ids, self.max_model_len
         if not ids:
             raise RequestError("prompt", "is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.model.vocab_size for t in ids):
             raise RequestError("prompt_token_ids", f"token ids must be integers in [0, {self.model.vocab_size})")
         params.check_vocab(self.model.vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise RequestError("prompt", f"{len(ids)} tokens; the model's max_model_len is {self.max_model_len}, "
-                                         f"so prompts must be at most {self.max_model_len - 1} tokens")
-        params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), self.max_model_len))
+        if len(ids) >= limit:
+            raise RequestError("prompt", f"the prompt is {len(ids)} tokens; this model's max_model_len is {limit}, "
+                                         f"so prompts must be at most {limit - 1} tokens", CONTEXT_LENGTH_EXCEEDED)
+        params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), limit, default_max_tokens))
         # Whole sequence, so one running alone always fits and preemption can never deadlock.
         needed = -(-(len(ids) + params.max_tokens) // self.kv.block_size)
-        if needed > self.kv.pool.num_blocks - 1:
+        capacity = self.kv.usage().total
+        if needed > capacity:
             raise RequestError("prompt", f"prompt plus max_tokens needs {needed} KV blocks but the pool has "
-                                         f"{self.kv.pool.num_blocks - 1}; raise num_blocks or kv_cache_bytes, "
-                                         f"or lower max_tokens")
+                                         f"{capacity}; raise num_blocks or kv_cache_bytes, or lower max_tokens")
         if params.prompt_logprobs is not None and not self.scheduler.chunked_prefill \
                 and len(ids) > self.max_logits_rows:
             raise RequestError("prompt_logprobs", f"a {len(ids)}-token prompt needs as many logits rows in one step "
                                                   f"without chunked prefill, but the gears return at most "
                                                   f"{self.max_logits_rows}; enable chunked prefill or shorten it")
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or self.new_request_id()
         if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.perf_counter())
+        seq = Sequence(request_id, list(ids), params, arrival if arrival is not None else time.perf_counter())
         if params.structured_outputs is not None:  # compiled (or found cached) here: a bad one queues nothing
             self.structured.start(seq)
         self._groups[request_id] = [seq]
@@ -246,7 +245,7 @@ class LLMEngine:
         graph_start = time.perf_counter()
         try:
             if batch.copies:
-                self.executor.copy_blocks(batch.copies, self.kv.block_size)
+                self.pools.copy_blocks(batch.copies)
             logits = self.executor.run(gear, inputs)
         except Exception as exc:  # a failed step fails its own requests only
             graph_end = time.perf_counter()
@@ -427,7 +426,7 @@ class LLM:
         index: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                index[self.engine.add_request(prompt, p).request_id] = i
+                index[self.engine.add_request(self.engine.prompts.token_ids(prompt), p).request_id] = i
             except RequestError as exc:
                 results[i] = RequestOutput(f"rejected-{i}", [], [], "", "error", error=str(exc))
         shown = -1

@@ -1,6 +1,6 @@
 """MindSpore executor: the CPU MINDIR graph of each gear, run through nn.GraphCell, pools updated in place.
 
-Same interface as OrtExecutor. Pools and weights are numpy arrays wrapped once with
+An `Executor` (runtime/executors.py). The KVPools' arrays and the weights are wrapped once with
 Tensor.from_numpy (no copy): the graphs' C++ kernels write the pools in place, and every gear
 reads the one memory-mapped copy of the weights. A gear's graph is loaded and compiled on its
 first step (seconds for a 30-layer model), after binding the MINDIR to this process: the pool
@@ -16,14 +16,14 @@ import numpy as np
 
 from artifact.manifest import ArtifactError, Manifest
 from artifact.mindir import MindirIndex, import_mindspore
-from graphs import contract as c
 from graphs.contract import Gear
 from kernels.binding import set_threads
 from kernels.build import library_path
+from runtime.kv_pools import KVPools
 
 
 class MindSporeExecutor:
-    def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None) -> None:
+    def __init__(self, artifact: Path, manifest: Manifest, pools: KVPools, threads: int | None = None) -> None:
         self.ms = import_mindspore("executor 'mindspore'")
         self.artifact = Path(artifact)
         self.index = MindirIndex.load(self.artifact)
@@ -35,22 +35,14 @@ class MindSporeExecutor:
         self.library = library_path()
         # Like OrtExecutor's, for reports; None: not an ONNX Runtime setting, the MINDIR graphs call the kernels.
         self.custom_ops: bool | None = None
-        self.model = manifest.model
-        self.num_slots = num_blocks * manifest.block_size
-        # Zeroed: NaN/Inf in never-written slots would leak into real rows through 0 * NaN.
-        self.pools = {name: np.zeros((self.num_slots, self.model.kv_size), np.float32)
-                      for name in c.cache_names(self.model.num_layers)}
+        self.pools = pools
         tensor = self.ms.Tensor
-        self._pool_tensors = {name: tensor.from_numpy(pool) for name, pool in self.pools.items()}
+        self._pool_tensors = {name: tensor.from_numpy(pool) for name, pool in pools.items()}
         weights = self.index.read_weights(self.artifact)
         self._weights = tuple(tensor.from_numpy(weights[name]) for name in self.index.weights)
         self._families = {gear: family for family, spec in manifest.families.items() for gear in spec.gears}
         self._cells: dict[Gear, tuple[Any, tuple[Any, ...]]] = {}
         self._scratch = tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-")
-
-    @property
-    def pool_bytes(self) -> int:
-        return sum(a.nbytes for a in self.pools.values())
 
     def _bind(self, graph: str) -> Path:
         """A copy of `graph` whose pool inputs have this pool's rows and whose kernels are this build."""
@@ -61,7 +53,7 @@ class MindSporeExecutor:
         pools = set(self.pools)
         for value in proto.graph.input:
             if value.name.split(":")[-1] in pools:
-                value.tensor[0].dims[0] = self.num_slots
+                value.tensor[0].dims[0] = self.pools.num_slots
         for primitive in proto.primitives:
             for attribute in primitive.attribute:
                 if attribute.name in ("func_name", "uniq_name") and b".so:" in attribute.s:
@@ -87,12 +79,3 @@ class MindSporeExecutor:
         """Run one step; `inputs` must be the packer's buffers for this gear (wrapped once, by identity)."""
         cell, args = self._cell(gear, inputs)
         return cell(*args).asnumpy()
-
-    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
-        """Copy whole blocks src -> dst in every pool (copy-on-write); touches only those rows."""
-        if not pairs:
-            return
-        src, dst = (np.array(side, np.int64) for side in zip(*pairs))
-        for pool in self.pools.values():
-            blocks = pool.reshape(-1, block_size, pool.shape[1])
-            blocks[dst] = blocks[src]

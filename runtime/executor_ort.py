@@ -1,6 +1,7 @@
-"""ONNX Runtime executor: one session for all bucket families, pools updated in place.
+"""ONNX Runtime executor (an `Executor`, runtime/executors.py): one session for all bucket families, pools
+updated in place.
 
-Each per-layer pool is one OrtValue bound as both the pool input and its aliased output,
+Each per-layer pool of the KVPools is one OrtValue bound as both the pool input and its aliased output,
 so the cache write (ScatterND, or the custom kernel below) goes into it without a copy; one
 IOBinding per gear is built once and reused, its input OrtValues wrapping the packer's numpy
 buffers (refilled in place).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 from functools import cache
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import onnxruntime as ort
@@ -24,9 +26,18 @@ from graphs import contract as c
 from graphs.contract import Gear
 from kernels.build import KernelBuildError, ort_library_path
 from kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
-from runtime.executors import CustomOps, check_custom_ops
+from runtime.kv_pools import KVPools
 
 log = logging.getLogger(__name__)
+# Whether the fused ops run as pagedgraph's C++ custom ops: "auto" falls back when they cannot be built.
+CustomOps = Literal["auto", "on", "off"]
+CUSTOM_OPS: tuple[CustomOps, ...] = get_args(CustomOps)
+
+
+def check_custom_ops(mode: str) -> None:
+    """One error for every place the setting enters (EngineConfig, the executor), naming the allowed values."""
+    if mode not in CUSTOM_OPS:
+        raise ValueError(f"custom_ops = {mode!r}: choose one of {', '.join(CUSTOM_OPS)}")
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -74,7 +85,7 @@ def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
 
 
 class OrtExecutor:
-    def __init__(self, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+    def __init__(self, artifact: Path, manifest: Manifest, pools: KVPools, threads: int | None = None,
                  custom_ops: CustomOps = "auto") -> None:
         options = session_options(threads)
         # Whether the fused ops run as pagedgraph's C++ kernels ("auto" may have fallen back).
@@ -85,16 +96,9 @@ class OrtExecutor:
         self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
                                             providers=["CPUExecutionProvider"])
         self.model = manifest.model
-        self.num_slots = num_blocks * manifest.block_size
-        # Zeroed: NaN/Inf in never-written slots would leak into real rows through 0 * NaN.
-        self.pools = {name: np.zeros((self.num_slots, self.model.kv_size), np.float32)
-                      for name in c.cache_names(self.model.num_layers)}
-        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self.pools.items()}
+        self.pools = pools
+        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in pools.items()}
         self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
-
-    @property
-    def pool_bytes(self) -> int:
-        return sum(a.nbytes for a in self.pools.values())
 
     def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:
         cached = self._bindings.get(gear)
@@ -115,9 +119,3 @@ class OrtExecutor:
         binding, logits = self._binding(gear, inputs)
         self.session.run_with_iobinding(binding)
         return logits
-
-    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
-        """Copy whole blocks src -> dst in every pool (copy-on-write); touches only those rows."""
-        for src, dst in pairs:
-            for pool in self.pools.values():
-                pool[dst * block_size:(dst + 1) * block_size] = pool[src * block_size:(src + 1) * block_size]

@@ -1,35 +1,45 @@
-"""Executor choice: every executor runs a gear's graph with the same interface (run, copy_blocks, pools)."""
+"""The executor interface, and the choice of one: every executor runs a gear's graph over the same KV pools."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Protocol
+
+import numpy as np
 
 from artifact.manifest import Manifest
+from graphs.contract import Gear
+from runtime.executor_ort import CUSTOM_OPS, CustomOps, OrtExecutor, check_custom_ops
+from runtime.kv_pools import KVPools
 
 EXECUTORS = ("onnxruntime", "mindspore")
-# Whether the ONNX Runtime executor runs the fused ops as pagedgraph's C++ custom ops (runtime/executor_ort.py).
-CustomOps = Literal["auto", "on", "off"]
-CUSTOM_OPS: tuple[CustomOps, ...] = get_args(CustomOps)
 
 
-def check_custom_ops(mode: str) -> None:
-    """One error for every place the setting enters (EngineConfig, the executor), naming the allowed values."""
-    if mode not in CUSTOM_OPS:
-        raise ValueError(f"custom_ops = {mode!r}: choose one of {', '.join(CUSTOM_OPS)}")
+class Executor(Protocol):
+    """Runs the bucket graphs; the graphs read and write `pools` in place (outputs alias inputs)."""
+
+    pools: KVPools
+    # Whether the fused ops run as pagedgraph's C++ custom ops; None where that is not a choice (MindSpore).
+    custom_ops: bool | None
+
+    def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """One step's logits [gear.seqs, vocab]; `inputs` are the packer's buffers for `gear`, the same
+        arrays every step (executors bind them once, by identity)."""
+        ...
 
 
-def make_executor(name: str, artifact: Path, manifest: Manifest, num_blocks: int, threads: int | None,
-                  custom_ops: CustomOps) -> Any:
-    """Imported lazily: MindSpore is an optional extra and takes seconds to import.
+def make_executor(name: str, artifact: Path, manifest: Manifest, pools: KVPools, threads: int | None,
+                  custom_ops: CustomOps) -> Executor:
+    """MindSpore is imported lazily: it is an optional extra and takes seconds to import.
 
     MindSpore ignores `custom_ops`: its MINDIR graphs call pagedgraph's kernels themselves.
     """
     if name == "onnxruntime":
-        from runtime.executor_ort import OrtExecutor
-
-        return OrtExecutor(artifact, manifest, num_blocks, threads, custom_ops)
+        return OrtExecutor(artifact, manifest, pools, threads, custom_ops)
     if name == "mindspore":
         from runtime.executor_mindspore import MindSporeExecutor
 
-        return MindSporeExecutor(artifact, manifest, num_blocks, threads)
+        return MindSporeExecutor(artifact, manifest, pools, threads)
     raise ValueError(f"executor = {name!r}: choose one of {', '.join(EXECUTORS)}")
+
+
+__all__ = ["CUSTOM_OPS", "EXECUTORS", "CustomOps", "Executor", "check_custom_ops", "make_executor"]

@@ -5,11 +5,22 @@ sequence, the hashes of its full blocks and how many of its blocks are registere
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from runtime.block_pool import BlockPool, CacheStats, KVBlock
 from runtime.prefix_hash import extend_hashes, root_hash
 from runtime.sequence import Sequence
 
 CopyPairs = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The pool's blocks now, the null block excluded (for metrics and admission)."""
+
+    total: int
+    free: int  # evictable prefix-cache blocks included
+    cached: int  # registered in the prefix cache, used or evictable
 
 
 class KVCacheManager:
@@ -26,6 +37,9 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def usage(self) -> KVUsage:
+        return KVUsage(self.pool.num_blocks - 1, self.pool.num_free, self.pool.num_cached)
 
     def _full_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         hashes = self._hashes.setdefault(seq, [])

@@ -79,7 +79,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], context: int, stride: in
                          f"{engine.max_model_len}; lower --context")
     windows = plan_windows(len(token_ids), context, stride)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    requests = {engine.add_request({"prompt_token_ids": token_ids[w.begin:w.end]}, params).request_id: w
+    requests = {engine.add_request(token_ids[w.begin:w.end], params).request_id: w
                 for w in windows}
     nll, scored = 0.0, 0
     while engine.has_unfinished():

@@ -17,12 +17,16 @@ LOGIT_BIAS_LIMIT = 100.0
 DEFAULT_MAX_TOKENS = 256
 
 
-class RequestError(ValueError):
-    """A request that cannot be served as given; `field` names the culprit."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the OpenAI error code of a request too long for max_model_len
 
-    def __init__(self, field_name: str, message: str) -> None:
+
+class RequestError(ValueError):
+    """A request that cannot be served as given; `field` names the culprit, `code` an OpenAI error code if any."""
+
+    def __init__(self, field_name: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt: int, max_model_len: i
     if max_tokens > room:
         raise RequestError("max_tokens", f"{max_tokens} with a prompt of {num_prompt} tokens exceeds this model's "
                                          f"max_model_len = {max_model_len}; ask for at most {room} tokens, or leave "
-                                         f"max_tokens out (default: {default}, capped to the context left)")
+                                         f"max_tokens out (default: {default}, capped to the context left)",
+                           CONTEXT_LENGTH_EXCEEDED)
     return max_tokens
 
 

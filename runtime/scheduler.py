@@ -69,6 +69,15 @@ class Scheduler:
         self.max_logits_rows = max_logits_rows or max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
+        self.num_preemptions = 0  # cumulative, for metrics
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,7 +128,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.kv.stats.preemptions += 1
+        self.num_preemptions += 1
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens

@@ -19,7 +19,7 @@ def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:
     engine = LLMEngine(artifact, EngineConfig(num_blocks=num_blocks, threads=1))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for prompt in ([1, 2, 3], [4, 5, 6, 7], [8], [9, 10]):
-        engine.add_request({"prompt_token_ids": prompt}, params)
+        engine.add_request(prompt, params)
     engine.step()  # prefill
     addresses = {name: pool.ctypes.data for name, pool in engine.executor.pools.items()}
     start = time.perf_counter()
@@ -34,7 +34,7 @@ def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:
 
 def test_pools_written_in_place(tiny_artifact: Path) -> None:
     engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=8))
-    seq = engine.add_request({"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(max_tokens=2, temperature=0))
+    seq = engine.add_request([3, 1, 4, 1, 5], SamplingParams(max_tokens=2, temperature=0))
     engine.step()
     block, size = seq.block_table[0], engine.manifest.block_size
     assert block != NULL_BLOCK
@@ -49,6 +49,6 @@ def test_pools_written_in_place(tiny_artifact: Path) -> None:
 def test_step_time_does_not_grow_with_pool_size(tiny_artifact: Path) -> None:
     small, _ = _decode_seconds(tiny_artifact, num_blocks=16)
     large, engine = _decode_seconds(tiny_artifact, num_blocks=32768)
-    pool_mib = engine.executor.pool_bytes / 2**20
+    pool_mib = engine.pools.nbytes / 2**20
     assert pool_mib >= 256
     assert large < 3 * small + 0.002, f"decode step {large * 1e3:.2f} ms with a {pool_mib:.0f} MiB pool vs {small * 1e3:.2f} ms"

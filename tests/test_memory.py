@@ -39,7 +39,7 @@ engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
 for pool in engine.executor.pools.values():
     pool.fill(0)  # touched now, so the step's growth is its own transients
 params = SamplingParams(max_tokens=1, temperature=0)
-engine.add_request({"prompt_token_ids": list(range(100, 110))}, params)
+engine.add_request(list(range(100, 110)), params)
 while engine.has_unfinished():
     engine.step()
 def hwm():
@@ -47,7 +47,7 @@ def hwm():
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak so far (loading's) is reset to the current RSS: what follows is the step's alone
 before = hwm()
-engine.add_request({"prompt_token_ids": list(range(100, 1123))}, params)
+engine.add_request(list(range(100, 1123)), params)
 engine.step()
 print(hwm() - before)
 """

@@ -23,6 +23,7 @@ from graphs.contract import Gear  # noqa: E402
 from graphs.reference import NumpyBuilder  # noqa: E402
 from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
+from runtime.kv_pools import KVPools  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
@@ -74,7 +75,7 @@ def test_cpu_graphs_match_numpy_references_step_by_step(artifact: Path, checkpoi
     manifest = Manifest.load(artifact)
     model = manifest.model
     weights = llama.graph_weights(model, read_checkpoint(str(checkpoint)).tensors, MAX_LEN)
-    executor = MindSporeExecutor(artifact, manifest, num_blocks=6)
+    executor = MindSporeExecutor(artifact, manifest, KVPools(manifest, 6))
     reference_pools = {name: np.zeros_like(pool) for name, pool in executor.pools.items()}
     steps = [
         (Gear(16, 2, 4), [([5, 9, 14, 3, 7], 0, [1]), ([11, 12, 13], 0, [3, 5])]),
@@ -94,12 +95,12 @@ def test_cpu_graphs_match_numpy_references_step_by_step(artifact: Path, checkpoi
 
 def test_executor_binds_pools_of_any_size_and_copies_blocks(artifact: Path) -> None:
     manifest = Manifest.load(artifact)
-    executor = MindSporeExecutor(artifact, manifest, num_blocks=40)
+    executor = MindSporeExecutor(artifact, manifest, KVPools(manifest, 40))
     gear = Gear(2, 2, 4)
     executor.run(gear, _step(gear, [([4], 0, [37]), ([6], 0, [2])]))
     written = executor.pools["v_cache_0"][37 * BLOCK].copy()
     assert written.any()
-    executor.copy_blocks([(37, 39)], BLOCK)
+    executor.pools.copy_blocks([(37, 39)])
     np.testing.assert_array_equal(executor.pools["v_cache_0"][39 * BLOCK], written)
 
 
@@ -112,7 +113,7 @@ def _engine_run(artifact: Path, executor: str, prompts: list[list[int]]) -> tupl
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-    ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
+    ids = [engine.add_request(p, params).request_id for p in prompts]
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})

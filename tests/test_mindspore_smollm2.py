@@ -38,7 +38,7 @@ def _run(artifact: Path, executor: str, prompts: list[list[int]]) -> tuple[Recor
     engine = LLMEngine(artifact, EngineConfig(num_blocks=64, executor=executor, threads=2))
     recorder = engine.executor = RecordingExecutor(engine.executor)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
+    ids = [engine.add_request(p, params).request_id for p in prompts]
     done: dict[str, list[int]] = {}
     while engine.has_unfinished():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})

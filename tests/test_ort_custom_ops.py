@@ -189,7 +189,7 @@ def _run(artifact: Path, custom_ops: str, prompts: list[list[int]]) -> Recording
     recorder = engine.executor = RecordingExecutor(engine.executor)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for prompt in prompts:
-        engine.add_request({"prompt_token_ids": prompt}, params)
+        engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()
     return recorder

@@ -49,7 +49,7 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
     for begin in range(0, len(ids), 8):  # the sliding-window loop of Hugging Face's perplexity guide
         end = min(begin + 12, len(ids))
         for target in range(max(prev_end, begin + 1), end):
-            engine.add_request({"prompt_token_ids": ids[begin:target]}, SamplingParams(max_tokens=1, temperature=0))
+            engine.add_request(ids[begin:target], SamplingParams(max_tokens=1, temperature=0))
             while engine.has_unfinished():
                 engine.step()
             nll -= _log_softmax(recorder.steps[-1][1][0])[ids[target]]

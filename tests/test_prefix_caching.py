@@ -45,7 +45,7 @@ def demand_blocks(outputs: list[RequestOutput], n: int = 1, block_size: int = 16
 @pytest.fixture(scope="module")
 def baseline(smollm2_artifact: Path, requests: list[dict[str, Any]]) -> list[RequestOutput]:
     outputs, llm = run(smollm2_artifact, requests, enable_prefix_caching=False, num_blocks=512)
-    assert llm.engine.stats.cache.hits == 0 and llm.engine.stats.cache.preemptions == 0
+    assert llm.engine.stats.cache.hits == 0 and llm.engine.scheduler.num_preemptions == 0
     return outputs
 
 
@@ -82,7 +82,7 @@ def test_a_pool_of_a_quarter_of_the_demand_preempts_and_gives_the_same_tokens(
         smollm2_artifact: Path, requests: list[dict[str, Any]], baseline: list[RequestOutput]) -> None:
     outputs, llm = run(smollm2_artifact, requests, num_blocks=demand_blocks(baseline) // 4 + 1)
     assert tokens(outputs) == tokens(baseline)
-    assert llm.engine.stats.cache.preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_cli_reproduces_the_preemption_run_with_caching_off(
@@ -110,7 +110,7 @@ def test_sampled_forks_are_independent_and_reproducible_under_preemption(
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True, n=4)
     free = generate(cached_llm, requests[:2], params)
     squeezed, llm = run(smollm2_artifact, requests[:2], params, num_blocks=demand_blocks(baseline[:2], n=4) // 4 + 1)
-    assert llm.engine.stats.cache.preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     completions = [[c.token_ids for c in o.outputs] for o in free]
     assert [[c.token_ids for c in o.outputs] for o in squeezed] == completions
     assert all(len(c) == 4 and len({tuple(t) for t in c}) > 1 for c in completions)
@@ -124,9 +124,8 @@ def test_forks_copy_the_shared_partial_block_before_writing(cached_llm: LLM, req
     """
     engine = cached_llm.engine
     bs = engine.kv.block_size
-    request = next(r for r in requests if len(engine.prompt_token_ids({"messages": r["messages"]})) % bs)
-    engine.add_request({"messages": request["messages"]}, SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=4,
-                                                                        ignore_eos=True))
+    prompt = next(ids for ids in (engine.prompts.encode_chat(r["messages"])[1] for r in requests) if len(ids) % bs)
+    engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=4, ignore_eos=True))
     forks: list = []
     while len(forks) < 4 or any(len(s.output_token_ids) < 2 for s in forks):
         assert engine.has_unfinished()

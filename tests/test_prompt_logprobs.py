@@ -30,7 +30,7 @@ def _reference(artifact: Path, prompt: list[int]) -> list[np.ndarray]:
     recorder = engine.executor = RecordingExecutor(engine.executor)
     rows = []
     for j in range(1, len(prompt)):
-        engine.add_request({"prompt_token_ids": prompt[:j]}, SamplingParams(max_tokens=1, temperature=0))
+        engine.add_request(prompt[:j], SamplingParams(max_tokens=1, temperature=0))
         while engine.has_unfinished():
             engine.step()
         rows.append(_log_softmax(recorder.steps[-1][1][0]))
@@ -59,10 +59,10 @@ def _check(entries: list, reference: list[np.ndarray], k: int) -> None:
 def test_prompt_logprobs_equal_the_prefix_runs(tiny_artifact: Path, reference: list[np.ndarray]) -> None:
     engine = LLMEngine(tiny_artifact)
     recorder = engine.executor = RecordingExecutor(engine.executor)
-    others = [engine.add_request({"prompt_token_ids": [5 + i] * (3 + 20 * i)}, SamplingParams(max_tokens=12,
+    others = [engine.add_request([5 + i] * (3 + 20 * i), SamplingParams(max_tokens=12,
                                                                                            temperature=0))
               for i in range(2)]
-    target = engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=3, temperature=0,
+    target = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0,
                                                                              prompt_logprobs=2))
     outputs = {}
     while engine.has_unfinished():
@@ -75,7 +75,7 @@ def test_prompt_logprobs_equal_the_prefix_runs(tiny_artifact: Path, reference: l
     # The others' tokens are those of a run without prompt logprobs.
     plain = LLMEngine(tiny_artifact)
     for i, seq in enumerate(others):
-        plain.add_request({"prompt_token_ids": seq.prompt_token_ids}, SamplingParams(max_tokens=12, temperature=0),
+        plain.add_request(seq.prompt_token_ids, SamplingParams(max_tokens=12, temperature=0),
                           request_id=seq.request_id)
     alone = {}
     while plain.has_unfinished():
@@ -88,18 +88,18 @@ def test_prompt_logprobs_survive_preemption_and_skip_the_prefix_cache(tiny_artif
                                                                       reference: list[np.ndarray]) -> None:
     # 5 usable blocks of 16: the long decoders outgrow the pool and the latest arrival is preempted.
     engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=6))
-    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished():
         engine.step()  # PROMPT's blocks are now in the prefix cache
-    first = engine.add_request({"prompt_token_ids": [9] * 20}, SamplingParams(max_tokens=40, temperature=0,
+    first = engine.add_request([9] * 20, SamplingParams(max_tokens=40, temperature=0,
                                                                               ignore_eos=True))
-    target = engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=20, temperature=0,
+    target = engine.add_request(PROMPT, SamplingParams(max_tokens=20, temperature=0,
                                                                              ignore_eos=True, prompt_logprobs=0))
     outputs = {}
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id] = out
-    assert engine.stats.cache.preemptions >= 1
+    assert engine.scheduler.num_preemptions >= 1
     assert outputs[target.request_id].num_cached_tokens == 0
     assert len(outputs[first.request_id].token_ids) == 40
     _check(outputs[target.request_id].prompt_logprobs, reference, 0)
@@ -111,4 +111,4 @@ def test_prompt_logprobs_validation(tiny_artifact: Path) -> None:
     engine = LLMEngine(tiny_artifact, EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=64,
                                                    max_model_len=64))
     with pytest.raises(RequestError, match="prompt_logprobs"):
-        engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=0))
+        engine.add_request(PROMPT, SamplingParams(prompt_logprobs=0))

@@ -48,7 +48,7 @@ def _staggered_arrivals_match_hf(artifact: Path, reference: list[dict]) -> None:
     # Four requests arrive before each of the first steps: later ones join a batch already decoding.
     while pending or engine.has_unfinished():
         for i, ref in pending[:4]:
-            ids[engine.add_request({"prompt_token_ids": ref["prompt_token_ids"]}, params).request_id] = i
+            ids[engine.add_request(ref["prompt_token_ids"], params).request_id] = i
         pending = pending[4:]
         for out in engine.step():
             if out.finished:

@@ -81,7 +81,7 @@ def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
 def solo(engine: LLMEngine) -> dict[str, str]:
     texts = {}
     for prompt in PROMPTS:
-        engine.add_request(prompt, GREEDY, "solo")
+        engine.add_request(engine.prompts.encode(prompt), GREEDY, "solo")
         texts[prompt] = _drain(engine)["solo"].text
     return texts
 
@@ -91,7 +91,7 @@ def test_a_failed_graph_run_fails_only_its_step_and_frees_its_blocks(engine: LLM
                                                                      fail_at: int) -> None:
     executor = engine.executor
     assert isinstance(executor, FailingExecutor)
-    free_before = engine.kv.pool.num_free  # cached-but-evictable blocks count as free
+    free_before = engine.kv.usage().free  # cached-but-evictable blocks count as free
     scheduled: list[set[str]] = []
     real_schedule = engine.scheduler.schedule
 
@@ -104,7 +104,7 @@ def test_a_failed_graph_run_fails_only_its_step_and_frees_its_blocks(engine: LLM
     executor.fail_at, executor.runs = fail_at, 0
     try:
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(prompt, GREEDY, f"r{i}")
+            engine.add_request(engine.prompts.encode(prompt), GREEDY, f"r{i}")
         outputs = _drain(engine)
     finally:
         del engine.scheduler.schedule
@@ -118,9 +118,9 @@ def test_a_failed_graph_run_fails_only_its_step_and_frees_its_blocks(engine: LLM
     for i, prompt in enumerate(PROMPTS):
         if f"r{i}" not in failed:
             assert outputs[f"r{i}"].text == solo[prompt], "a request outside the failed step changed"
-    assert engine.kv.pool.num_free == free_before, "the failed requests kept blocks"
+    assert engine.kv.usage().free == free_before, "the failed requests kept blocks"
     check_invariants(engine.kv, [])
-    engine.add_request(PROMPTS[0], GREEDY, "after")
+    engine.add_request(engine.prompts.encode(PROMPTS[0]), GREEDY, "after")
     assert _drain(engine)["after"].text == solo[PROMPTS[0]], "the engine no longer serves correctly"
 
 

@@ -168,7 +168,7 @@ def engine(smollm2_artifact):  # type: ignore[no-untyped-def]
 
 def _run(engine, prompt: str, params: SamplingParams):  # type: ignore[no-untyped-def]
     engine.executor.steps.clear()
-    seq = engine.add_request(prompt, params)
+    seq = engine.add_request(engine.prompts.encode(prompt), params)
     while engine.has_unfinished():
         engine.step()
     return seq, [logits[0] for _, logits in engine.executor.steps]

@@ -120,7 +120,7 @@ def test_compiled_grammars_are_cached_per_constraint(tokenizer: Tokenizer) -> No
 def test_a_bad_constraint_is_a_request_error_naming_the_field(llm: LLM, fields: dict[str, Any], field: str,
                                                               problem: str) -> None:
     with pytest.raises(RequestError) as info:
-        llm.engine.add_request("hi", SamplingParams(structured_outputs=fields))
+        llm.engine.add_request(llm.engine.prompts.encode("hi"), SamplingParams(structured_outputs=fields))
     assert info.value.field == field and problem in str(info.value)
     assert not llm.engine.has_unfinished()
 
@@ -152,7 +152,7 @@ def test_chunking_preemption_and_cache_hits_keep_the_constrained_output(smollm2_
     outputs = small.generate([ASK] * 2, constrained())
     assert [o.token_ids for o in outputs] == [solo["person"].token_ids] * 2
     assert len(outputs[0].prompt_token_ids) > 16  # so the prompt went in several chunks
-    assert small.engine.stats.cache.preemptions > 0 and small.engine.stats.cache.hits > 0
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.stats.cache.hits > 0
 
 
 def test_the_jsonl_of_pagedgraph_generate_takes_vllms_fields(smollm2_artifact: Path, tmp_path: Path) -> None:

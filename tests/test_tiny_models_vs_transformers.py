@@ -56,7 +56,7 @@ def test_engine_matches_transformers(case: str, tmp_path: Path) -> None:
     export(config, tmp_path / "artifact", log=io.StringIO())
     engine = LLMEngine(tmp_path / "artifact", EngineConfig(num_blocks=64, max_num_batched_tokens=64))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-    seqs = {engine.add_request({"prompt_token_ids": p}, params).request_id: p for p in PROMPTS}
+    seqs = {engine.add_request(p, params).request_id: p for p in PROMPTS}
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})

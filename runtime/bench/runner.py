@@ -30,6 +30,7 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> RunRecord:
     stats, cache = engine.stats, engine.stats.cache
     counters_before = {name: getattr(stats, name) for name in _COUNTERS}
     hits_before, cache_before = dict(stats.bucket_hits), replace(cache)
+    preemptions_before = engine.scheduler.num_preemptions
     record = RunRecord(requests=len(requests), prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
                        output_tokens=sum(r.max_tokens for r in requests))
     timeline, seen = record.timeline, {}
@@ -67,5 +68,5 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> RunRecord:
                           if v > hits_before.get(k, 0)}
     queries = cache.queries - cache_before.queries
     record.extra = {"prefix_hit_rate": (cache.hits - cache_before.hits) / queries if queries else 0.0,
-                    "preemptions": cache.preemptions - cache_before.preemptions}
+                    "preemptions": engine.scheduler.num_preemptions - preemptions_before}
     return record

@@ -70,7 +70,7 @@ class BenchOptions:
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
     count = options.requests or DEFAULT_REQUESTS[options.workload]
     if options.workload == "shared-prefix":
-        requests = workloads.shared_prefix(engine.prompt_token_ids, count, options.prefix_words, options.seed)
+        requests = workloads.shared_prefix(engine.prompts.token_ids, count, options.prefix_words, options.seed)
     elif options.workload == "stress":
         requests = workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
     else:
@@ -113,8 +113,8 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
-    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.executor.pool_bytes,
-                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.executor.pool_bytes))
+    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes,
+                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
     return record, requests, engine
 
 

@@ -19,9 +19,8 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from runtime.deploy_config import Deployment
 from runtime.engine import RequestOutput
 from runtime.constraints import ConstraintError
-from runtime.sampling_params import RequestError, SamplingParams, resolve_max_tokens
+from runtime.sampling_params import RequestError, SamplingParams
 from runtime.server import metrics
 from runtime.server.body_limit import BodyLimit
 from runtime.server.engine_loop import EngineLoop, RequestHandle
@@ -42,6 +41,7 @@ from runtime.server.tool_calls import (ToolChatFormat, ToolRequest, structured_o
 from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
+T = TypeVar("T")
 
 
 class _EventStream(StreamingResponse):
@@ -74,61 +74,41 @@ class Frontend:
 
     def __post_init__(self) -> None:
         self.model = self.deployment.model_name
-        self.tokenizer = self.loop.engine.tokenizer
-        self.max_model_len = self.loop.engine.max_model_len
-        self.max_n = self.loop.engine.max_num_seqs
+        engine = self.loop.engine
+        self.tokenizer = engine.tokenizer
+        self.prompts = engine.prompts
+        self.max_model_len = engine.max_model_len
+        self.max_n = engine.max_num_seqs
         sampling = self.deployment.sampling
-        self.default_max_tokens = sampling.max_tokens
-        self.defaults = {**asdict(self.loop.engine.default_params),
+        self.default_max_tokens = sampling.max_tokens  # for requests without max_tokens, capped by add_request
+        self.defaults = {**asdict(engine.default_params),
                          **{k: v for k, v in sampling.model_dump(exclude={"max_tokens"}).items() if v is not None}}
         self.limits = self.deployment.server
         self.draining = False
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
-        self.max_prompt_chars = self._max_prompt_chars()
         self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
         self.metrics = metrics.Metrics(self.model, self.max_model_len)
         self.runtime = self.loop.engine.runtime_info().to_dict()
 
-    def _max_prompt_chars(self) -> int | None:
-        """A text longer than this cannot fit in max_model_len tokens, so it is refused before tokenizing.
-
-        No token spells more characters than the longest vocabulary entry; a normalizer may merge
-        characters, so with one there is no such bound.
-        """
-        backend = self.tokenizer.backend
-        if backend.normalizer is not None:
-            return None
-        return self.max_model_len * max(len(token) for token in backend.get_vocab(with_added_tokens=True))
-
     def close(self) -> None:
         self._tokenize.shutdown(wait=True)
 
-    # -- admission ----------------------------------------------------------------------------
-    def _too_long(self, what: str, prompt_field: str) -> APIError:
-        return APIError(400, f"the prompt is {what}; this model's max_model_len is {self.max_model_len}, so prompts "
-                             f"must be at most {self.max_model_len - 1} tokens", param=prompt_field,
-                        code="context_length_exceeded")
+    # -- admission: PromptEncoder (runtime/prompts.py) -> server limits -> EngineLoop.submit -> add_request --
+    @staticmethod
+    def _refused(exc: RequestError, prompt_field: str) -> APIError:
+        """400 naming the field; what the engine calls `prompt` a chat request sends as `messages`."""
+        return APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field, code=exc.code)
 
-    async def encode(self, text: str, prompt_field: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, computed on the tokenizer thread; a text that cannot fit is refused unread."""
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise self._too_long(f"{len(text)} characters, more than {self.max_prompt_chars} (the longest token "
-                                 "times max_model_len)", prompt_field)
+    async def _on_tokenizer(self, encode: Callable[[], T], prompt_field: str) -> T:
+        """A PromptEncoder call on the tokenizer thread: a long prompt never stalls other streams."""
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise APIError(400, f"the prompt is not valid Unicode ({exc.reason} at character {exc.start}): send "
-                                "UTF-8 text", param=prompt_field) from None
-        encode = partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
-
-    def _params(self, body: SamplingFields, num_prompt: int, max_tokens: int | None,
-                logprobs: int | None, tools: ToolRequest | None = None) -> SamplingParams:
-        try:
-            max_tokens = resolve_max_tokens(max_tokens, num_prompt, self.max_model_len, self.default_max_tokens)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
         except RequestError as exc:
-            raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+            raise self._refused(exc, prompt_field) from None
+
+    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                tools: ToolRequest | None = None) -> SamplingParams:
         if body.n > self.max_n:
             raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
                                 "deployment runs)", param="n")
@@ -157,9 +137,8 @@ class Frontend:
     async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
                        max_tokens: int | None, logprobs: int | None, prompt_text: str,
                        tools: ToolRequest | None = None) -> Response:
-        if len(ids) >= self.max_model_len:
-            raise self._too_long(f"{len(ids)} tokens", prompt_field)
-        params = self._params(body, len(ids), max_tokens, logprobs, tools)
+        """Server limits, then the engine's own checks (`LLMEngine.add_request`, also `LLM`'s), then the answer."""
+        params = self._params(body, max_tokens, logprobs, tools)
         await self._compile(params)
         self.check_admitting()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
@@ -168,10 +147,10 @@ class Frontend:
                                 "retry shortly", type_="rate_limit_error", code="rate_limit_exceeded")
         self.counters.in_flight += 1
         try:
-            handle = await self.loop.submit(ids, params, self.limits.request_timeout_s)
+            handle = await self.loop.submit(ids, params, self.limits.request_timeout_s, self.default_max_tokens)
         except RequestError as exc:
             self.counters.in_flight -= 1
-            raise APIError(400, str(exc), param=exc.field) from None
+            raise self._refused(exc, prompt_field) from None
         except BaseException:
             self.counters.in_flight -= 1
             raise
@@ -297,7 +276,8 @@ class Frontend:
                 raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
                                     "(concurrent requests are batched together)", param="prompt")
             prompt = prompt[0]
-        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = await self._on_tokenizer(partial(self.prompts.encode, prompt), "prompt") if isinstance(prompt, str) \
+            else list(prompt)
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
@@ -316,12 +296,7 @@ class Frontend:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_request(body, self.tokenizer)
         messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
-        render = partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True, **variables)
-        try:
-            text = await asyncio.get_running_loop().run_in_executor(self._tokenize, render)
-        except (ValueError, jinja2.TemplateError) as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        ids = await self.encode(text, "messages", add_special_tokens=False)
+        text, ids = await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ToolChatFormat(self.model, self.tokenizer, logprobs, tools.parser) if tools.active else \
             ChatFormat(self.model, self.tokenizer, logprobs)
@@ -341,18 +316,13 @@ class Frontend:
         """vLLM's /tokenize: `count`, `max_model_len`, `tokens` (and `token_strs` when asked)."""
         self.check_model(body.model)
         if body.messages is not None:
-            messages = [m.plain() for m in body.messages]
-            render = partial(self.tokenizer.apply_chat_template, messages,
-                             add_generation_prompt=body.add_generation_prompt)
-            try:
-                text = await asyncio.get_running_loop().run_in_executor(self._tokenize, render)
-            except (ValueError, jinja2.TemplateError) as exc:
-                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-            ids = await self.encode(text, "messages", add_special_tokens=bool(body.add_special_tokens))
+            encode = partial(self.prompts.encode_chat, [m.plain() for m in body.messages],
+                             body.add_generation_prompt, bool(body.add_special_tokens))
+            _, ids = await self._on_tokenizer(encode, "messages")
         else:
             assert body.prompt is not None
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await self.encode(body.prompt, "prompt", add_special_tokens=special)
+            ids = await self._on_tokenizer(partial(self.prompts.encode, body.prompt, "prompt", special), "prompt")
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = [self.tokenizer.backend.id_to_token(t) for t in ids]

@@ -8,7 +8,6 @@ what makes batching continuous across them. The thread blocks on the queue while
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from runtime.engine import LLMEngine, RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")
@@ -93,7 +92,6 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # event-loop side only
         self._live: set[str] = set()  # engine-thread side only: requests added and not yet finished
-        self._ids = itertools.count()
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -138,12 +136,14 @@ class EngineLoop:
         self._commands.put(command)
         return await future
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float) -> RequestHandle:
-        """Queue a request; raises the engine's RequestError if it cannot be served (nothing stays queued)."""
-        handle = RequestHandle(self, f"req-{next(self._ids)}", timeout_s)
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float,
+                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestHandle:
+        """Queue a request through `LLMEngine.add_request`; raises its RequestError if it cannot be served
+        (nothing stays queued)."""
+        handle = RequestHandle(self, self.engine.new_request_id(), timeout_s)
         self._handles[handle.request_id] = handle
         try:
-            await self.call(lambda: self._add(handle.request_id, prompt_token_ids, params))
+            await self.call(lambda: self._add(handle.request_id, prompt_token_ids, params, default_max_tokens))
         except BaseException:  # cancelled or refused: the abort queued behind the add undoes it
             handle.close()
             raise
@@ -167,8 +167,9 @@ class EngineLoop:
                 handle.outputs.put_nowait(out)
 
     # -- engine-thread side -----------------------------------------------------------------
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request({"prompt_token_ids": prompt_token_ids}, params, request_id)
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             default_max_tokens: int) -> None:
+        self.engine.add_request(prompt_token_ids, params, request_id, default_max_tokens=default_max_tokens)
         self._live.add(request_id)
 
     def _abort(self, request_id: str) -> None:
@@ -178,11 +179,11 @@ class EngineLoop:
 
     def _snapshot(self) -> EngineSnapshot:
         engine = self.engine
-        stats, cache, pool = engine.stats, engine.stats.cache, engine.kv.pool
-        return EngineSnapshot(len(engine.scheduler.running), len(engine.scheduler.waiting), pool.num_blocks - 1,
-                              pool.num_free, len(pool.cached), stats.steps, stats.graph_s, stats.host_s,
-                              stats.tokens_computed, stats.tokens_real, stats.generated, cache.preemptions,
-                              cache.queries, cache.hits, dict(stats.bucket_hits), dict(engine.sampler.seconds))
+        stats, cache, kv, scheduler = engine.stats, engine.stats.cache, engine.kv.usage(), engine.scheduler
+        return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, kv.total, kv.free, kv.cached,
+                              stats.steps, stats.graph_s, stats.host_s, stats.tokens_computed, stats.tokens_real,
+                              stats.generated, scheduler.num_preemptions, cache.queries, cache.hits,
+                              dict(stats.bucket_hits), dict(engine.sampler.seconds))
 
     def _run(self) -> None:
         engine, commands = self.engine, self._commands

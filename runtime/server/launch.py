@@ -35,9 +35,9 @@ def build_app(deployment: Deployment, source: str) -> FastAPI:
              sorted({g.tokens for g in gears[PREFILL]}), max(g.seqs for g in gears[PREFILL]),
              sorted({g.seqs for g in gears[DECODE]}), sorted({g.blocks for g in gears[PREFILL] + gears[DECODE]}),
              len(gears[PREFILL]), len(gears[DECODE]))
-    kv = engine.kv
-    log.info("KV pool: %d blocks x %d tokens = %d token slots, %.1f MiB", kv.pool.num_blocks, kv.block_size,
-             kv.pool.num_blocks * kv.block_size, engine.executor.pool_bytes / 2**20)
+    pools = engine.pools
+    log.info("KV pool: %d blocks x %d tokens = %d token slots, %.1f MiB", pools.num_blocks, pools.block_size,
+             pools.num_slots, pools.nbytes / 2**20)
     log.info("scheduler: max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d (limits clamped to the gears)",
              engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len)
     return create_app(EngineLoop(engine), deployment)
