@@ -60,6 +60,7 @@ class RuntimeInfo:
     dtype: str  # weights and activations, from the artifact's manifest
     kv_cache_dtype: str
     quantization: str | None  # None: unquantized weights
+    weight_formats: dict[str, int] = field(default_factory=dict)  # checkpoint tensors per stored form (manifest)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -399,7 +400,8 @@ class LLMEngine:
         return RuntimeInfo(executor=self.executor_name, custom_ops=True if custom is None else bool(custom),
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
                            kv_cache_dtype=self.manifest.dtype,
-                           quantization=None if self.manifest.quantization == "none" else self.manifest.quantization)
+                           quantization=None if self.manifest.quantization == "none" else self.manifest.quantization,
+                           weight_formats=dict(self.manifest.weight_formats))
 
 
 class LLM:
