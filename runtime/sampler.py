@@ -32,19 +32,23 @@ def sample_row(row: np.ndarray, seq: Sequence, scaled: np.ndarray | None = None)
     if params.greedy:
         return int(np.argmax(row))
     assert seq.rng is not None
+    top_k = params.top_k if 0 < params.top_k < row.size else 0
+    if top_k and params.min_p == 0:  # only the top_k logits matter: nothing over the whole vocabulary but one pass
+        best = np.argpartition(row, -top_k)[-top_k:]
+        return _draw(best, np.exp((row[best].astype(np.float64) - row[best].max()) / params.temperature),
+                     None, params.top_p, seq.rng)
     probs = np.empty(row.size, np.float64) if scaled is None else scaled
     np.multiply(row, 1.0 / params.temperature, out=probs)
     probs -= probs.max()
     np.exp(probs, out=probs)  # unnormalized; the top token's is 1
-    top_k = params.top_k if 0 < params.top_k < probs.size else 0
     if not (top_k or params.min_p > 0 or params.top_p < 1.0):
         np.cumsum(probs, out=probs)
         return int(np.searchsorted(probs, seq.rng.random() * probs[-1], side="right"))
-    candidates = np.flatnonzero(probs >= params.min_p) if params.min_p > 0 else None  # relative to the top token
-    if top_k and (candidates is None or candidates.size > top_k):
-        pool = probs if candidates is None else probs[candidates]
-        best = np.argpartition(pool, -top_k)[-top_k:]
-        candidates = best if candidates is None else candidates[best]
+    candidates = None
+    if params.min_p > 0:  # against the top token's probability (1 here), then top_k among what is left
+        candidates = np.flatnonzero(probs >= params.min_p)
+        if top_k and candidates.size > top_k:
+            candidates = candidates[np.argpartition(probs[candidates], -top_k)[-top_k:]]
     kept = None  # the mass top_p is a share of: all the candidates', unless they are only a top-m subset
     if candidates is None:  # top_p alone: widen a top-m set until it holds the nucleus, then sort only it
         kept, m = probs.sum(), 64
@@ -53,12 +57,18 @@ def sample_row(row: np.ndarray, seq: Sequence, scaled: np.ndarray | None = None)
             if m >= probs.size or probs[candidates].sum() >= params.top_p * kept:
                 break
             m *= 8
-    order = candidates[np.argsort(probs[candidates])[::-1]]
-    mass = np.cumsum(probs[order])
-    if params.top_p < 1.0:
-        keep = int(np.searchsorted(mass, params.top_p * (mass[-1] if kept is None else kept)) + 1)
+    return _draw(candidates, probs[candidates], kept, params.top_p, seq.rng)
+
+
+def _draw(candidates: np.ndarray, weights: np.ndarray, kept: float | None, top_p: float,
+          rng: np.random.Generator) -> int:
+    """One of `candidates` (unnormalized `weights`), within the top_p nucleus of `kept` (None: their own sum)."""
+    by_weight = np.argsort(weights)[::-1]
+    order, mass = candidates[by_weight], np.cumsum(weights[by_weight])
+    if top_p < 1.0:
+        keep = int(np.searchsorted(mass, top_p * (mass[-1] if kept is None else kept)) + 1)
         order, mass = order[:keep], mass[:keep]
-    return int(order[np.searchsorted(mass, seq.rng.random() * mass[-1], side="right")])
+    return int(order[np.searchsorted(mass, rng.random() * mass[-1], side="right")])
 
 
 class Sampler:

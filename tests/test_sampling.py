@@ -252,6 +252,7 @@ def reference_distribution(row: np.ndarray, params: SamplingParams) -> np.ndarra
     (SamplingParams(temperature=1.0, seed=3), 300), (SamplingParams(temperature=0.7, top_k=5, seed=3), 300),
     (SamplingParams(temperature=1.3, top_p=0.8, seed=3), 300), (SamplingParams(temperature=1.0, min_p=0.2, seed=3), 300),
     (SamplingParams(temperature=0.9, top_k=12, min_p=0.05, top_p=0.9, seed=3), 300),
+    (SamplingParams(temperature=1.0, top_k=40, top_p=0.8, seed=3), 300),
     # top_p alone over a top-m subset (nucleus of 24 tokens: m = 64; of 239: m = 512), not the whole vocabulary
     (SamplingParams(temperature=1.0, top_p=0.8, seed=3), 300), (SamplingParams(temperature=0.6, top_p=0.7, seed=3), 3000), (SamplingParams(temperature=1.0, top_p=0.7, seed=3), 3000),
 ])
