@@ -88,3 +88,16 @@ def test_shipped_texts_are_separate_and_sized() -> None:
     assert 12_000 < len(calibration) < 30_000 and 12_000 < len(held_out) < 30_000
     lines = {line for line in calibration.splitlines() if len(line) > 40}
     assert not lines & set(held_out.splitlines())  # no shared passage
+
+
+def test_several_artifacts_are_ratios_to_the_first(tiny_artifact: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text(SHORT * 3)
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--artifact", str(tiny_artifact), "--artifact", str(tiny_artifact), "--text", str(text),
+                 "--context", "32", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["ratio"] for r in runs] == [1.0, 1.0] and runs[0]["perplexity"] == runs[1]["perplexity"] > 1
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 and table[0].split()[-2:] == ["perplexity", "ratio"]
