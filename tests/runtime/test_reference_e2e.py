@@ -13,8 +13,8 @@ import pytest
 
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling_params import SamplingParams
+from tests.paths import DATA
 
-DATA = Path(__file__).parent / "data"
 NEAR_TIE = 1e-3
 
 

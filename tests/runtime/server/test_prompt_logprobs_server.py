@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.engine import LLM
-from tests.test_server_sampling import KEY, MODEL, _params, _post, llm, server  # noqa: F401 (fixtures)
-from tests.test_server import ServerThread
+from tests.runtime.server.test_server_sampling import KEY, MODEL, _params, _post, llm, server  # noqa: F401 (fixtures)
+from tests.runtime.server.test_server import ServerThread
 
 
 def test_completions_report_prompt_logprobs_in_vllms_shape(server: ServerThread, llm: LLM) -> None:  # noqa: F811

@@ -37,10 +37,10 @@ from graphs.kv_cache import cache_format
 from graphs.ops import OPS
 from graphs.ops.op import Example, Op
 from tests.mindspore_support import require_mindspore
+from tests.paths import REPO
 
 require_mindspore()
 
-REPO = Path(__file__).resolve().parent.parent
 LOWERINGS = {lowering.name: lowering for lowering in lowerings()}
 
 

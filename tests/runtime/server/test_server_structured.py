@@ -18,7 +18,7 @@ import pytest
 
 from runtime.deploy_config import Deployment
 from runtime.server.launch import build_app
-from tests.test_server import ServerThread
+from tests.runtime.server.test_server import ServerThread
 
 KEY = "test-key"
 MODEL = "smol"

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 
 
 def test_the_load_script_finds_no_errors_mismatches_or_leaks(smollm2_artifact: Path, tmp_path: Path) -> None:

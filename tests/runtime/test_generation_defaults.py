@@ -19,6 +19,7 @@ from runtime.deploy_config import Deployment
 from runtime.engine import LLM
 from runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from runtime.server.launch import build_app
+from tests.paths import REPO
 
 MAX_MODEL_LEN = 128
 GENERATION = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "do_sample": True}
@@ -69,7 +70,7 @@ def test_the_server_uses_the_artifacts_defaults_unless_the_deployment_sets_them(
 def test_the_bundled_models_deployment_ships_its_generation_config() -> None:
     from runtime.deploy_config import load_deployment
 
-    sampling = load_deployment(Path(__file__).parents[1] / "configs" / "deploy-smollm2.yaml").sampling
+    sampling = load_deployment(REPO / "configs" / "deploy-smollm2.yaml").sampling
     assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (0.2, 0.9, DEFAULT_MAX_TOKENS)
 
 

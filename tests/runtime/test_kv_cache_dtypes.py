@@ -1,13 +1,13 @@
 """KV caches in bfloat16, float16 and int8.
 
 The lowerings of every cache-dtype variant of ReshapeAndCache and PagedAttention are checked against the
-numpy references by the op walk (tests/test_op_walk.py: ONNX bodies, custom ops, contiguous baseline,
+numpy references by the op walk (tests/graphs/test_op_walk.py: ONNX bodies, custom ops, contiguous baseline,
 kernels); here: ATB's int8 contract itself, the custom ops writing each dtype's pools in place under
 IOBinding aliasing, and the export of one graph per cache dtype with calibrated int8 scales.
 """
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -17,22 +17,12 @@ from onnx import TensorProto
 from exporter.onnx.graph_builder import op_model
 from graphs import ops
 from graphs.kv_cache import KV_CACHE_DTYPES, cache_format, dequantize, int8_params, quantize
-from kernels import ort_headers
-from kernels.build import ort_library_path
-from kernels.cache import cache_root
-from kernels.ort_headers import OrtHeaderError
 
 
 @pytest.fixture(scope="module")
-def library() -> str:
-    """The custom-op library (its header fetched once if needed); skipped only where that fails, never in CI."""
-    try:
-        ort_headers.ensure(cache_root())
-        return str(ort_library_path())
-    except OrtHeaderError as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the custom ops (scripts/test.sh fetches their header): {error}")
-        pytest.skip(f"no ONNX Runtime C API header to build the custom ops with: {error}")
+def library(custom_op_library: Path) -> str:
+    """The custom-op library: fails in CI, skips elsewhere without the header (tests/conftest.py)."""
+    return str(custom_op_library)
 
 
 def _ortvalue(array: np.ndarray) -> ort.OrtValue:

@@ -20,9 +20,10 @@ require_mindspore()
 from graphs.contract import Gear  # noqa: E402
 from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
-from tests.test_reference_e2e import _matches_reference  # noqa: E402
+from tests.runtime.test_reference_e2e import _matches_reference  # noqa: E402
+from tests.paths import DATA  # noqa: E402
 
-REFERENCE = Path(__file__).parent / "data" / "reference_smollm2.json"
+REFERENCE = DATA / "reference_smollm2.json"
 NEW_TOKENS = 16
 GEARS = {Gear(64, 8, 4), Gear(8, 8, 4)}
 ROW_RELATIVE_TOLERANCE = 4e-5

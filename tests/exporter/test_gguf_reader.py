@@ -10,7 +10,7 @@ import pytest
 from exporter.checkpoint.base import Checkpoint, CheckpointError
 from exporter.checkpoint.gguf_reader import default_model_path, read_gguf
 from graphs.config import SUPPORTED_ARCHITECTURES
-from tests.tiny_gguf import write_tiny_gguf
+from tests.exporter.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from artifact.manifest import MANIFEST, ArtifactError, Manifest
 from exporter.config import ExportConfig
 from exporter.export import ExportTargetError, export
 from pagedgraph.cli import main
+from tests.paths import REPO
 
 TINY_EXPORT = {"max_model_len": 64, "verify_gears": False,
                "buckets": {"decode_batch": [2], "prefill_tokens": [32], "prefill_max_seqs": 2}}
@@ -104,7 +105,7 @@ def test_every_not_an_artifact_hint_is_safe_to_run(checkpoint: Path, tmp_path: P
     if case == "checkpoint":
         shutil.copytree(checkpoint, given)
     elif case == "configs":
-        shutil.copytree(Path(__file__).parents[1] / "configs", given)
+        shutil.copytree(REPO / "configs", given)
     elif case == "scratch":
         given.mkdir()
         (given / "notes.txt").write_text("keep me")

@@ -1,5 +1,5 @@
 """The MindSpore lowering on a tiny random Llama: CPU MINDIR graphs vs the numpy references and vs
-ONNX Runtime, the generated Ascend graphs read back. (Each op's body alone: tests/test_op_walk.py.)"""
+ONNX Runtime, the generated Ascend graphs read back. (Each op's body alone: tests/graphs/test_op_walk.py.)"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -204,7 +204,7 @@ def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkp
 def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) -> None:
     """The Ascend body reads back as FlashAttentionScore in TND layout with host sequence lengths, as ATB does.
 
-    (Its CPU body's results are tests/test_op_walk.py's.)
+    (Its CPU body's results are tests/graphs/test_op_walk.py's.)
     """
     import mindspore as ms
     from mindspore.ops.auto_generate.gen_ops_prim import str_to_enum  # MINDIR stores the layout as an enum

@@ -31,8 +31,8 @@ from runtime.deploy_config import engine_config, load_deployment
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.server import app as server_app
-from tests.kv_sim import check_invariants
-from tests.test_deploy_config import _manifest
+from tests.runtime.kv_sim import check_invariants
+from tests.runtime.test_deploy_config import _manifest
 
 PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time", "2 + 2 ="]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -1,7 +1,7 @@
 """pagedgraph's ONNX Runtime custom ops (kernels/ort_ops.cc) in real ORT sessions, beyond their results.
 
 Each op's results against its numpy reference, and that the kernel runs in place of the function
-body, are the "onnxruntime-custom" column of tests/test_op_walk.py. Here: the pools are written in
+body, are the "onnxruntime-custom" column of tests/graphs/test_op_walk.py. Here: the pools are written in
 place under IOBinding aliasing, older artifacts load, errors are statuses, the registration modes,
 the header fetch, and a whole bucket graph gives the same logits with the custom ops on and off.
 CI must build them (scripts/test.sh fetches the header): there a missing header fails instead of skipping.

@@ -1,6 +1,6 @@
 """Issue 14's sampling fields, echo, the tokenizer endpoints, /metrics and what-ran reports, through the real
 server on the real model with the official `openai` client; greedy answers are checked against the offline
-`LLM` on the same artifact (whose sampler tests/test_sampling.py checks against numpy references)."""
+`LLM` on the same artifact (whose sampler tests/runtime/test_sampling.py checks against numpy references)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +17,7 @@ from runtime.deploy_config import Deployment
 from runtime.engine import LLM
 from runtime.sampling_params import SamplingParams
 from runtime.server.launch import build_app
-from tests.test_server import ServerThread
+from tests.runtime.server.test_server import ServerThread
 
 KEY = "sampling-key"
 MODEL = "smol"

@@ -19,7 +19,7 @@ print(rss() - before)
 def _probe(script: str, artifact: Path) -> int:
     """Bytes the script prints last, run in a fresh process so its RSS is the engine's alone."""
     result = subprocess.run([sys.executable, "-c", script, str(artifact)], capture_output=True, text=True,
-                            timeout=300, cwd=Path(__file__).parent.parent)
+                            timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     return int(result.stdout.split()[-1])
 
@@ -35,6 +35,7 @@ PREFILL_PROBE = """
 import sys
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling_params import SamplingParams
+from tests.paths import REPO
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
 for pool in engine.executor.pools.values():
     pool.fill(0)  # touched now, so the step's growth is its own transients

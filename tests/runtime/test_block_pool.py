@@ -15,7 +15,7 @@ from runtime.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.prefix_hash import block_hash, extend_hashes, root_hash
 from runtime.sequence import Sequence
-from tests.kv_sim import Shadow, check_invariants, make_seq
+from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
 BS = 4
 

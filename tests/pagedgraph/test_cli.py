@@ -86,7 +86,7 @@ def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, monk
 
 
 def test_bench_custom_ops_flag_reaches_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bench itself on the real model: tests/test_bench.py; here only that the flag gets to it."""
+    """The bench itself on the real model: tests/runtime/test_bench.py; here only that the flag gets to it."""
     class Ran(Exception):
         pass
 

@@ -21,8 +21,8 @@ from exporter.checkpoint.base import TokenizerSpec
 from exporter.checkpoint.gguf_reader import default_model_path, read_gguf
 from exporter.tokenizer_files import write_tokenizer
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.paths import DATA, REPO
 
-DATA = Path(__file__).parent / "data"
 TOKENIZER_CASES: list[dict[str, Any]] = json.loads((DATA / "tokenizer_reference.json").read_text(encoding="utf-8"))
 PROMPTS: list[dict[str, Any]] = [json.loads(line) for line in (DATA / "reference_prompts.jsonl").read_text(encoding="utf-8").splitlines()]
 REFERENCE: list[dict[str, Any]] = json.loads((DATA / "reference_smollm2.json").read_text(encoding="utf-8"))
@@ -158,4 +158,4 @@ def test_from_dir_names_the_missing_file(tmp_path: Path) -> None:
 
 def test_runtime_tokenizer_does_not_import_exporter() -> None:
     code = "import sys, runtime.tokenizer; sys.exit(any(m.startswith('exporter') for m in sys.modules))"
-    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.paths import REPO
+
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from graphs import quant
 from artifact.manifest import Manifest
 from graphs.quant import BlockQuantized
 from artifact.settings import ConfigError, validate
-from tests.tiny_gguf import write_tiny_gguf
+from tests.exporter.tiny_gguf import write_tiny_gguf
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 GGUF_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)

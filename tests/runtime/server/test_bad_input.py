@@ -24,8 +24,8 @@ from runtime.kv_cache_manager import KVCacheManager
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 from runtime.server.launch import build_app
-from tests.kv_sim import Shadow, check_invariants, make_seq
-from tests.test_server import ServerThread, _wait_for
+from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
+from tests.runtime.server.test_server import ServerThread, _wait_for
 
 MODEL = "smol"
 MAX_MODEL_LEN = 256

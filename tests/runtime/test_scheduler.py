@@ -13,7 +13,7 @@ import pytest
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import Sequence, SequenceStatus
-from tests.kv_sim import Shadow, check_invariants, make_seq
+from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
 BS = 4
 

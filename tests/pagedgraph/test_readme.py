@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
+ROOT = REPO
 BLOCK = re.compile(r"<!-- runnable -->\n```(bash|python)\n(.*?)```", re.S)
 
 
