@@ -14,8 +14,8 @@ DEFAULT_PREFILL_TOKENS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 179
 # Exports with MINDIR (one static graph per gear, compiled one by one): 3-4 gears per dimension, as ATC's
 # guidance for dynamic dims recommends. Used when the YAML leaves export.buckets out; their padding cost is in
 # docs/performance.md.
-MINDIR_DECODE_BATCHES = (1, 4, 16, 64)
-MINDIR_PREFILL_TOKENS = (32, 128, 512, 2048)
+MINDIR_DECODE_BATCHES = (1, 16, 32, 64)  # dense where steps are large, as the full ladders
+MINDIR_PREFILL_TOKENS = (128, 512, 1024, 2048)
 MINDIR_CONTEXT_STEPS = 3  # context_blocks: this many, x4 apart, ending at max_model_len / block_size
 
 
