@@ -33,7 +33,7 @@ from graphs import contract as c
 from graphs import llama
 from graphs.config import ModelConfig
 from graphs.contract import Gear
-from graphs.quant import BlockQuantized
+
 from graphs.kv_cache import cache_format
 
 GRAPH = "graphs/model.onnx"
@@ -190,7 +190,7 @@ def _umask() -> int:
 
 def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Checkpoint:
     """The checkpoint with its linears quantized round-to-nearest where `model.quantization` asks for it."""
-    if config.model.quantization not in ("w8a16", "w4a16"):
+    if config.model.quantization not in ("w8a16", "w4a16", "w8a8"):
         return checkpoint
     print(f"quantizing weights {config.model.quantization} (round to nearest"
           f"{f', groups of {config.model.group_size}' if config.model.quantization == 'w4a16' else ''}) ...", file=log)
@@ -203,7 +203,7 @@ def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
     """How many checkpoint tensors are held in each form ("float32", "Q4_1", "rtn-int8-per-channel", ...)."""
     counts: dict[str, int] = {}
     for w in checkpoint.tensors.values():
-        form = w.source if isinstance(w, BlockQuantized) else "float32"
+        form = "float32" if isinstance(w, np.ndarray) else w.source
         counts[form] = counts.get(form, 0) + 1
     return dict(sorted(counts.items()))
 

@@ -1,4 +1,8 @@
-"""Weight-only round-to-nearest quantization (export `quantization: w8a16 | w4a16`) into `BlockQuantized`.
+"""Round-to-nearest weight quantization (export `quantization: w8a16 | w4a16 | w8a8`).
+
+w8a16 / w4a16 give `BlockQuantized` (MatMulNBits); w8a8 gives the layers' linears as `Int8PerChannel`
+(Linear.w8a8: activations quantized per token in the graph) and keeps the embedding / tied LM head in the
+w8a16 form (it is also gathered, and int8 activations there cost logits precision for little speed).
 
 - int8: symmetric, one scale per output row (max |w| / 127), codes + 128 with MatMulNBits' default zero
   point 128. The row's scale is repeated over the row's blocks (MatMulNBits is block-wise).
@@ -11,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from graphs.quant import BlockQuantized, Weight
+from graphs.quant import BlockQuantized, Int8PerChannel, Weight
 
 # MatMulNBits' MLAS kernels take blocks of 16..256 (powers of two).
 BLOCK_SIZES = (256, 128, 64, 32, 16)
@@ -66,7 +70,8 @@ def quantize_weights(tensors: Mapping[str, Weight], quantization: str, group_siz
     for name, w in tensors.items():
         dense = np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32)
         if name.endswith(".weight") and any(f".{part}." in name for part in _LINEARS):
-            out[name] = int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
+            out[name] = (int8_per_channel(dense) if quantization == "w8a16" else Int8PerChannel.quantize(dense)
+                         if quantization == "w8a8" else int4_groupwise(dense, group_size))
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = int8_per_channel(dense)
         else:

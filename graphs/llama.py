@@ -16,7 +16,7 @@ from graphs import ops, quant
 from graphs.config import ModelConfig
 from graphs.kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
 from graphs.ops.op import OpBuilder
-from graphs.quant import BlockQuantized, Weight, concat_rows
+from graphs.quant import BlockQuantized, Int8PerChannel, Weight, concat_rows
 from graphs.rope_tables import rope_tables
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positi
         weights[dst + "post_norm"] = tensors[f"{src}post_attention_layernorm.weight"]
         weights[dst + "gate_up"] = concat_rows([tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]])
         weights[dst + "down"] = tensors[f"{src}mlp.down_proj.weight"]
-    return {name: w if isinstance(w, BlockQuantized) else np.ascontiguousarray(w, dtype=np.float32)
+    return {name: w if isinstance(w, (BlockQuantized, Int8PerChannel)) else np.ascontiguousarray(w, dtype=np.float32)
             for name, w in weights.items()}
 
 
@@ -56,6 +56,8 @@ def graph_arrays(weights: Mapping[str, Weight]) -> dict[str, np.ndarray]:
     for name, w in weights.items():
         if isinstance(w, BlockQuantized):
             out.update(quant.graph_arrays(name, w, gathered=name == "embed"))
+        elif isinstance(w, Int8PerChannel):
+            out.update(quant.int8_graph_arrays(name, w))
         else:
             out[name] = w
     return out
@@ -67,12 +69,19 @@ class WeightForms:
 
     quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
     accuracy_level: int = 0  # MatMulNBits' compute for the quantized linears (export.accuracy_level)
+    w8a8: Mapping[str, Int8PerChannel] = field(default_factory=dict)  # Linear.w8a8 weights
 
     @classmethod
     def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0) -> "WeightForms":
-        return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level)
+        return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level,
+                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)})
 
     def linear(self, b: OpBuilder[T], x: T, name: str, bias: T | None = None) -> T:
+        int8 = self.w8a8.get(name)
+        if int8 is not None:
+            codes, scale = quant.int8_graph_parts(name)
+            return b.emit(ops.LINEAR_W8A8, x, b.weight(codes), b.weight(scale), bias, K=int8.shape[1],
+                          N=int8.shape[0])
         w = self.quantized.get(name)
         if w is None:
             return b.emit(ops.LINEAR, x, b.weight(name), bias)

@@ -71,19 +71,56 @@ class BlockQuantized:
                               self.source)
 
 
-Weight = np.ndarray | BlockQuantized
+@dataclass(frozen=True)
+class Int8PerChannel:
+    """W8A8's weight: symmetric int8 codes [n, k] and one float32 scale per output row, W = q * scale[:, None].
+
+    Activations are quantized per token at run time (Linear.w8a8, graphs/ops/linear_w8a8.py)."""
+
+    q: np.ndarray  # int8, in -127..127
+    scale: np.ndarray  # float32 [n]
+    source: str = "int8-per-channel"
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != np.int8 or self.q.ndim != 2 or self.scale.shape != (self.q.shape[0],):
+            raise ValueError(f"inconsistent int8 per-channel weight: q {self.q.dtype} {self.q.shape}, "
+                             f"scale {self.scale.shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        return self.q.astype(np.float32) * self.scale[:, None]
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> "Int8PerChannel":
+        """Round to nearest with scale max|row| / 127 (the row's largest weight is kept exactly in range)."""
+        scale = (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float32)
+        scale[scale == 0] = 1
+        return cls(np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale)
+
+
+Weight = np.ndarray | BlockQuantized | Int8PerChannel
 
 
 def concat_rows(parts: Sequence[Weight]) -> Weight:
     """Stack weights along the output axis (fused QKV, gate/up); quantized parts must share one form."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.concatenate(parts, axis=0)  # type: ignore[arg-type]
+    if all(isinstance(p, Int8PerChannel) for p in parts):
+        return Int8PerChannel(np.concatenate([p.q for p in parts]),  # type: ignore[union-attr]
+                              np.concatenate([p.scale for p in parts]), parts[0].source)  # type: ignore[union-attr]
     first = parts[0]
     same = all(isinstance(p, BlockQuantized) and isinstance(first, BlockQuantized)
                and (p.bits, p.block_size) == (first.bits, first.block_size)
                and (p.minimum is None) == (first.minimum is None) for p in parts)
     if not same or not isinstance(first, BlockQuantized):
-        forms = ", ".join(p.source if isinstance(p, BlockQuantized) else str(p.dtype) for p in parts)
+        forms = ", ".join(str(p.dtype) if isinstance(p, np.ndarray) else p.source for p in parts)
         raise ValueError(f"cannot fuse weights of different forms ({forms}) into one linear")
     quantized = [p for p in parts if isinstance(p, BlockQuantized)]
     minimum = None if first.minimum is None else np.concatenate([p.minimum for p in quantized])  # type: ignore[misc]
@@ -161,3 +198,13 @@ def graph_arrays(name: str, w: BlockQuantized, gathered: bool = False) -> dict[s
     if minimum is not None:
         arrays[minimum] = np.ascontiguousarray(w.minimum, np.float32)
     return arrays  # type: ignore[return-value]
+
+
+def int8_graph_parts(name: str) -> list[str]:
+    """Names of Linear.w8a8's weight inputs: the codes in MatMulInteger's [k, n] layout and the row scales."""
+    return [f"{name}.int8_t", f"{name}.scale"]
+
+
+def int8_graph_arrays(name: str, w: Int8PerChannel) -> dict[str, np.ndarray]:
+    codes, scale = int8_graph_parts(name)
+    return {codes: np.ascontiguousarray(w.q.T), scale: np.ascontiguousarray(w.scale, np.float32)}

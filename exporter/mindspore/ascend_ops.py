@@ -137,6 +137,8 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
     MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] "
                                  "weights with antiquant scale/offset; export refuses mindir with a quantization")
+MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is MindIE's "
+                                            "static per-tensor form (QuantBatchMatmul), not built yet")
 for _op in (op_set.RESHAPE_AND_CACHE_BF16, op_set.PAGED_ATTENTION_BF16):
     MINDSPORE_ASCEND.refuse(_op, "the Ascend graphs compute in float16 (a float16 cache)")
 for _op in (op_set.RESHAPE_AND_CACHE_INT8, op_set.PAGED_ATTENTION_INT8):

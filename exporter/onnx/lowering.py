@@ -126,4 +126,5 @@ ONNX: Lowering[OnnxBody] = Lowering(
     {ops.GATHER: _gather, ops.ADD: _add, ops.SPLIT: _split, ops.LINEAR: _linear,
      ops.LINEAR_BLOCK_QUANTIZED: quantized.linear_block_quantized,
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
+     ops.LINEAR_W8A8: quantized.linear_w8a8,
      **{op: Function(op, body) for op, body in _FUNCTIONS.items()}})

@@ -1,4 +1,4 @@
-"""ONNX bodies of Linear.block_quantized (`com.microsoft.MatMulNBits`) and Gather.block_quantized.
+"""ONNX bodies of Linear.block_quantized (`com.microsoft.MatMulNBits`), Gather.block_quantized and Linear.w8a8.
 
 Linear: MatMulNBits(x, codes, scales[, zero points]) runs the blocks as they are (ORT's MLAS kernel; the
 op's inputs are already in its layout). A form with a per-block minimum (GGUF Q4_1, Q4_K) adds
@@ -17,6 +17,7 @@ import numpy as np
 from onnx import TensorProto
 
 from exporter.onnx.nodes import Nodes
+from graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
 
 MS_DOMAIN = "com.microsoft"
 
@@ -60,3 +61,24 @@ def gather_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: An
     if minimum:
         values = n.op("Add", values, n.unsqueeze(n.op("Gather", minimum, indices, axis=0), [2]))
     return [n.op("Reshape", values, n.const([0, attrs.K]))]
+
+
+def linear_w8a8(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:
+    """Per-token quantize in standard ops, then `com.microsoft.MatMulIntegerToFloat` (MLAS's u8s8 int8 GEMM with
+    the per-column weight scale fused) and the per-row activation scale.
+
+    The symmetric codes (-127..127) are shifted by 128 into uint8 with one zero point for every row: ORT takes
+    only a scalar activation zero point, and its u8s8 kernel is the fast one (s8s8 falls back, measured in
+    docs/performance.md)."""
+    x, weight, scale, bias = inputs
+    n = g.n
+    g.opsets.setdefault(MS_DOMAIN, 1)
+    row_max = n.op("Max", n.op("ReduceMax", n.op("Abs", x), axes=[1], keepdims=1),
+                   n.const(ROW_MAX_FLOOR, np.float32))
+    row_scale = n.op("Div", row_max, n.const(127.0, np.float32))
+    codes = n.op("Add", n.op("Round", n.op("Div", x, row_scale)), n.const(128.0, np.float32))
+    codes = n.op("Cast", codes, to=TensorProto.UINT8)
+    out = n.op("MatMulIntegerToFloat", codes, weight, n.const(1.0, np.float32), scale, n.const(128, np.uint8),
+               domain=MS_DOMAIN)
+    out = n.op("Mul", out, row_scale)
+    return [n.op("Add", out, bias) if bias else out]
