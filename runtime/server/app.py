@@ -101,7 +101,8 @@ class Frontend:
         return APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field, code=exc.code)
 
     async def _on_tokenizer(self, encode: Callable[[], T], prompt_field: str) -> T:
-        """A PromptEncoder call on the tokenizer thread: a long prompt never stalls other streams."""
+        """A PromptEncoder call (or a grammar compile) on the tokenizer thread: a long prompt never stalls
+        other streams."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
         except RequestError as exc:
@@ -128,11 +129,8 @@ class Frontend:
         and a large one never stalls the engine loop."""
         if params.structured_outputs is None:
             return
-        compile_ = partial(self.loop.engine.structured.compiler.compile, params.structured_outputs)
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._tokenize, compile_)
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
+        await self._on_tokenizer(partial(self.loop.engine.structured.compiler.compile, params.structured_outputs),
+                                 params.structured_outputs.field)
 
     async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
                        max_tokens: int | None, logprobs: int | None, prompt_text: str,
