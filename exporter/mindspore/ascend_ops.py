@@ -128,17 +128,31 @@ class Float32Logits(Body):
         return ops.cast(x, mstype.float32)
 
 
+class LinearW8A8Static(Body):
+    """MindIE's W8A8: x quantized with the calibrated per-tensor scale/offset (Div, Round, Add, Clip, Cast:
+    ATB's AscendQuant pattern), then QuantBatchMatmul (int8 x int8 [n, k] transposed, int32 quant_bias,
+    per-channel deq_scale) back to float16."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.matmul = prims.QuantBatchMatmul(transpose_x1=False, transpose_x2=True, dtype=mstype.float16)
+
+    def construct(self, x, weight, input_scale, input_offset, quant_bias, deq_scale):
+        codes = ops.clamp(ops.round(x / input_scale) + input_offset, -128.0, 127.0)
+        return self.matmul(ops.cast(codes, mstype.int8), weight, deq_scale, None, quant_bias, None)
+
+
 MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     "mindspore-ascend", "exporter/mindspore/ascend_ops.py (shared: exporter/mindspore/common_ops.py)",
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
      op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
-     op_set.SELF_ATTENTION: SelfAttention})
+     op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static})
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
     MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] "
                                  "weights with antiquant scale/offset; export refuses mindir with a quantization")
-MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is MindIE's "
-                                            "static per-tensor form (QuantBatchMatmul), not built yet")
+MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
+                                            "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")
 for _op in (op_set.RESHAPE_AND_CACHE_BF16, op_set.PAGED_ATTENTION_BF16):
     MINDSPORE_ASCEND.refuse(_op, "the Ascend graphs compute in float16 (a float16 cache)")
 for _op in (op_set.RESHAPE_AND_CACHE_INT8, op_set.PAGED_ATTENTION_INT8):

@@ -111,6 +111,8 @@ MINDSPORE_CPU: Lowering[Any] = Lowering(
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no 4/8-bit weight matmul kernel; quantized artifacts are ONNX only "
                               "(export refuses mindir with a quantization)")
+MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend only; the CPU graphs use "
+                                                "Linear.w8a8 (ONNX)")
 MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend "
                                          "only); w8a8 artifacts are ONNX only (export refuses mindir with a quantization)")
 for _write, _attend in (op_set.KV_CACHE_OPS[d] for d in ("bfloat16", "float16", "int8")):

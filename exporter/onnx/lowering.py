@@ -128,3 +128,5 @@ ONNX: Lowering[OnnxBody] = Lowering(
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: quantized.linear_w8a8,
      **{op: Function(op, body) for op, body in _FUNCTIONS.items()}})
+ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
+                                    "graphs quantize activations per token (Linear.w8a8)")

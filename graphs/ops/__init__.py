@@ -11,6 +11,7 @@ from graphs.ops.kv_cache_variants import (KV_CACHE_OPS, PAGED_ATTENTION_BF16, PA
 from graphs.ops.linear import LINEAR, linear
 from graphs.ops.linear_block_quantized import GATHER_BLOCK_QUANTIZED, LINEAR_BLOCK_QUANTIZED
 from graphs.ops.linear_w8a8 import LINEAR_W8A8
+from graphs.ops.linear_w8a8_static import LINEAR_W8A8_STATIC
 from graphs.ops.op import Op
 from graphs.ops.paged_attention import PAGED_ATTENTION, paged_attention
 from graphs.ops.reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
@@ -22,12 +23,12 @@ from graphs.ops.swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.
-OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED, LINEAR_W8A8, RMS_NORM,
-                       ROPE, SWIGLU, RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
+OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED, LINEAR_W8A8,
+                       LINEAR_W8A8_STATIC, RMS_NORM,                        ROPE, SWIGLU, RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
                        PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION)
 
 __all__ = [
-    "ADD", "GATHER", "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8", "OPS",
+    "ADD", "GATHER", "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8", "LINEAR_W8A8_STATIC", "OPS",
     "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16", "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8",
     "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16", "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE",
     "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "gather", "linear", "paged_attention", "reshape_and_cache",

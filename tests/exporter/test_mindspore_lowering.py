@@ -224,3 +224,36 @@ def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) 
     assert (args["head_num"], args["input_layout"], args["sparse_mode"]) == (4, tnd, 3)
     assert args["actual_seq_qlen"] == args["actual_seq_kvlen"] == "<TensorToTuple>"  # host lengths, as ATB reads
     assert args["scale_value"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("fp16", [True, False], ids=["int64 deq_scale (fp16 model)", "float32 deq_scale (bf16 model)"])
+def test_w8a8_static_lowers_to_quant_batch_matmul_with_mindie_tensors(tmp_path: Path, fp16: bool) -> None:
+    """MindIE's W8A8 tensors reach QuantBatchMatmul as they are: int8 x and weight [n, k] (transpose_x2),
+    deq_scale as `scale` (int64 for fp16 models, float32 for bf16), int32 quant_bias, float16 out."""
+    import mindspore as ms
+    from mindspore.train.mind_ir_pb2 import ModelProto, TensorProto
+
+    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from graphs.ops.linear_w8a8_static import mindie_tensors
+    from graphs.quant import Int8PerChannel
+
+    rng = np.random.default_rng(0)
+    w = Int8PerChannel.quantize(rng.standard_normal((24, 64)).astype(np.float32))
+    inputs = (rng.standard_normal((5, 64)).astype(np.float16),
+              *mindie_tensors(w, None, 0.02, 3, fp16))
+    inputs = tuple(x.astype(np.float16) if x.dtype == np.float32 and x.shape != (24,) else x for x in inputs)
+    cell = MINDSPORE_ASCEND.body(ops.LINEAR_W8A8_STATIC)(ops.LINEAR_W8A8_STATIC.attrs(K=64, N=24),
+                                                         MindSporeTarget("ascend"))
+    path = tmp_path / "w8a8_static"
+    ms.export(cell, *(ms.Tensor(x) for x in inputs), file_name=str(path), file_format="MINDIR")
+    (record,) = read_ops(path.with_suffix(".mindir"), {"QuantBatchMatmul"})
+    args = record.arguments
+    assert (args["transpose_x1"], args["transpose_x2"]) == (False, True)
+    assert args["dtype"] == 42  # MindSpore's TypeId kNumberTypeFloat16: the output dtype
+    assert (args["x2"], args["scale"], args["bias"]) == ("weight", "deq_scale", "quant_bias")
+    assert args["x1"] == "<Cast>" and args["offset"] is None and args["pertokenScaleOptional"] is None
+    model = ModelProto()
+    model.ParseFromString(path.with_suffix(".mindir").read_bytes())
+    dtypes = {i.name.split(":")[-1]: TensorProto.DataType.Name(i.tensor[0].data_type) for i in model.graph.input}
+    assert (dtypes["weight"], dtypes["quant_bias"]) == ("INT8", "INT32")
+    assert dtypes["deq_scale"] == ("INT64" if fp16 else "FLOAT")
