@@ -77,8 +77,9 @@ class ExportOptions(Settings):
         None, ge=1, description="processes compiling MINDIR gears in parallel; default: one per core, as many "
                                 "as fit in the available memory")
     accuracy_level: Literal[0, 4] = Field(
-        0, description="quantized weights: MatMulNBits' compute, 0 = float32 on the dequantized blocks, 4 = int8 "
-                       "activations per block (faster decode, not bit-faithful)")
+        4, description="quantized weights: MatMulNBits' compute, 4 = int8 activations per block of 32 (default: "
+                       "2.2-3.4x fp32 decode, docs/performance.md), 0 = float32 on the dequantized blocks (what "
+                       "reproduces HF fp32 on the dequantized weights; 8-bit blocks then run ~5x slower than fp32)")
     kv_cache_dtypes: list[KVCacheDType] = Field(
         ["float32"], min_length=1, description="KV-cache dtypes the artifact can serve (deployment kv_cache.dtype): one "
                                                "ONNX graph each, sharing the weights; must include model.dtype")

@@ -87,7 +87,7 @@ def test_gguf_artifact_holds_the_files_blocks_and_matches_dequantized_fp32(tmp_p
 def _export_tiny(tmp_path: Path, quantization: str) -> Manifest:
     """tmp_path/tiny.gguf exported with `quantization` into tmp_path/<quantization>, one small gear per family."""
     config = ExportConfig.model_validate({"model": {"source": str(tmp_path / "tiny.gguf"), "quantization": quantization},
-                                          "export": {"max_model_len": 64, "buckets": {
+                                          "export": {"max_model_len": 64, "accuracy_level": 0, "buckets": {
                                               "decode_batch": [2], "prefill_tokens": [16], "prefill_max_seqs": 2}}})
     return export(config, tmp_path / quantization, log=io.StringIO())
 
