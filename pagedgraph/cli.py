@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from artifact.settings import ConfigError, validate, with_overrides
+from graphs.kv_cache import KV_CACHE_DTYPES
 from pagedgraph import __version__
 from pagedgraph.texts import shipped_text
 from runtime.executors import CUSTOM_OPS
@@ -72,7 +73,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
     llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
-              enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops)
+              enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops,
+              kv_cache_dtype=args.kv_cache_dtype)
     # A field neither the line nor a flag sets: the model's generation defaults (manifest), else SamplingParams'.
     print(f"{args.artifact}: {llm.engine.manifest.precision()}", file=sys.stderr)
     model_defaults = llm.engine.manifest.sampling_defaults
@@ -125,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         name = name or model_name
     overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
                  "kv_cache.num_blocks": args.num_blocks, "server.api_key": args.api_key,
-                 "executor.custom_ops": args.custom_ops}
+                 "executor.custom_ops": args.custom_ops, "kv_cache.dtype": args.kv_cache_dtype}
     if args.config is not None:
         deployment, source = load_deployment(args.config, overrides), args.config
     elif artifact is None:
@@ -212,7 +214,7 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(artifact=args.artifact, workload=args.workload, requests=args.requests, rate=args.rate,
                            seed=args.seed, baseline=None if baseline == "none" else baseline,
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
-                           custom_ops=args.custom_ops, chunk_tokens=args.chunk_tokens,
+                           custom_ops=args.custom_ops, kv_cache_dtype=args.kv_cache_dtype, chunk_tokens=args.chunk_tokens,
                            micro=not (args.no_micro or self_compared))
     results = run_bench(options)
     print(text_table(results))
@@ -253,6 +255,12 @@ class _HelpFormatter(argparse.HelpFormatter):
                 and action.option_strings and not isinstance(action, argparse._VersionAction)):
             text += " (default: %(default)s)"
         return text
+
+
+def _kv_cache_dtype_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=("auto", *KV_CACHE_DTYPES), default=default,
+                        help=f"{what}: what the KV pools hold (auto: the artifact's compute dtype; the artifact needs "
+                             f"that dtype's graphs, export.kv_cache_dtypes)")
 
 
 def _custom_ops_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
@@ -316,6 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
     _custom_ops_flag(p, "auto", "onnxruntime executor")
+    _kv_cache_dtype_flag(p, "auto", "KV cache")
     p.set_defaults(func=_generate)
 
     p = command("inspect", "show what an artifact holds: model, dtype, buckets, sizes, export config, versions, "
@@ -344,6 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
     _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")
+    _kv_cache_dtype_flag(p, None, "override kv_cache.dtype (default: auto)")
     p.set_defaults(func=_serve)
 
     p = command("atc-plan", "print the ATC commands that compile the artifact's ONNX graph for Ascend")
@@ -369,6 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
                    help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
     _custom_ops_flag(p, "auto", "the paged engine's onnxruntime executor (the naive baseline never uses them)")
+    _kv_cache_dtype_flag(p, "auto", "KV cache of the paged engine and the naive baseline")
     p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",

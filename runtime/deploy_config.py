@@ -36,6 +36,9 @@ class KVCacheSection(Settings):
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     prefix_cache_salt: str = Field("", description="mixed into every block hash: tenants with different salts "
                                                    "never share cached blocks")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
+        "auto", description="what the KV pools hold (auto: the artifact's compute dtype); the artifact needs its "
+                            "graphs (export.kv_cache_dtypes); pool sizing follows its bytes per block")
 
 
 class BucketsSection(Settings):
@@ -166,6 +169,11 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
     if max(chosen["context_blocks"]) < needed:
         problems.append(f"buckets.context_blocks = {sorted(chosen['context_blocks'])}: max_model_len {max_model_len} "
                         f"needs {needed} blocks per sequence; add {needed} or lower scheduler.max_model_len")
+    kv_dtype = deployment.kv_cache.dtype
+    if kv_dtype != "auto" and kv_dtype not in manifest.served_kv_cache_dtypes:
+        problems.append(f"kv_cache.dtype = {kv_dtype}: the artifact {artifact} has graphs for the KV-cache dtypes "
+                        f"{list(manifest.served_kv_cache_dtypes)}; choose one (or auto), or re-export with {kv_dtype} "
+                        f"in export.kv_cache_dtypes")
     if problems:
         raise ConfigError(f"invalid deployment in {source}:\n  " + "\n  ".join(problems))
     blocks = chosen["context_blocks"]
@@ -180,4 +188,5 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                         long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
                         enable_chunked_prefill=scheduler.enable_chunked_prefill, gears=gears,
                         enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
-                        executor=executor.name, threads=executor.threads, custom_ops=executor.custom_ops)
+                        executor=executor.name, threads=executor.threads, custom_ops=executor.custom_ops,
+                        kv_cache_dtype=kv.dtype)

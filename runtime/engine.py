@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence as Seq
 
 from artifact.manifest import Manifest
 from graphs.contract import DECODE, PREFILL, Gear
+from graphs.kv_cache import cache_format
 from runtime.block_pool import CacheStats
 from runtime.executors import CustomOps, check_custom_ops, make_executor
 from runtime.kv_cache_manager import KVCacheManager
@@ -45,9 +46,14 @@ class EngineConfig:
     # cannot be built, "on" raises instead, "off" runs their ONNX function bodies. MindSpore ignores it: its
     # MINDIR graphs call pagedgraph's kernels themselves.
     custom_ops: CustomOps = "auto"
+    # What the KV pools hold: "auto" (the artifact's compute dtype), float32, bfloat16, float16 or int8; the
+    # artifact must have that dtype's graphs (export.kv_cache_dtypes). Pool sizing follows its bytes per block.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_custom_ops(self.custom_ops)
+        if self.kv_cache_dtype != "auto":
+            cache_format(self.kv_cache_dtype)  # a clear error for an unknown name
 
 
 @dataclass(frozen=True)
@@ -148,10 +154,12 @@ class LLMEngine:
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
-        self.pools = KVPools(self.manifest, config.num_blocks) if config.num_blocks \
-            else KVPools.for_budget(self.manifest, config.kv_cache_bytes)
+        self.kv_cache_dtype = self.manifest.kv_cache_dtype(config.kv_cache_dtype, self.artifact)
+        self.pools = KVPools(self.manifest, config.num_blocks, self.kv_cache_dtype) if config.num_blocks \
+            else KVPools.for_budget(self.manifest, config.kv_cache_bytes, self.kv_cache_dtype)
+        # The cache dtype is part of every block hash: blocks of two dtypes never match.
         self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
-                                 config.prefix_cache_salt.encode())
+                                 f"kv_cache_dtype={self.kv_cache_dtype};".encode() + config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
                                    self.max_logits_rows)
@@ -399,7 +407,7 @@ class LLMEngine:
         custom = self.executor.custom_ops
         return RuntimeInfo(executor=self.executor_name, custom_ops=True if custom is None else bool(custom),
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
-                           kv_cache_dtype=self.manifest.dtype,
+                           kv_cache_dtype=self.kv_cache_dtype,
                            quantization=None if self.manifest.quantization == "none" else self.manifest.quantization,
                            weight_formats=dict(self.manifest.weight_formats))
 

@@ -24,6 +24,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 from artifact.manifest import Manifest
 from graphs import contract as c
 from graphs.contract import Gear
+from graphs.kv_cache import cache_format
 from kernels.build import KernelBuildError, ort_library_path
 from kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
 from runtime.kv_pools import KVPools
@@ -90,14 +91,19 @@ class OrtExecutor:
         options = session_options(threads)
         # Whether the fused ops run as pagedgraph's C++ kernels ("auto" may have fallen back).
         self.custom_ops = register_custom_ops(options, custom_ops)
-        graphs = {f.graph for f in manifest.families.values()}
+        # The graph whose pools hold `kv_cache_dtype` (one per exported cache dtype, sharing the weights).
+        graphs = {manifest.graph_for(family, pools.kv_cache_dtype) for family in manifest.families}
         if len(graphs) != 1:
             raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
         self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
                                             providers=["CPUExecutionProvider"])
         self.model = manifest.model
         self.pools = pools
-        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in pools.items()}
+        # By their bits: ORT's numpy bridge has no bfloat16 (the OrtValue still wraps the array, no copy).
+        fmt = pools.format
+        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{fmt.itemsize}"),
+                                                                                   fmt.onnx_type)
+                             for name, a in pools.items()}
         self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
 
     def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:

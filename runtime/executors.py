@@ -38,6 +38,10 @@ def make_executor(name: str, artifact: Path, manifest: Manifest, pools: KVPools,
     if name == "mindspore":
         from runtime.executor_mindspore import MindSporeExecutor
 
+        if pools.kv_cache_dtype != "float32":
+            raise ValueError(f"kv_cache_dtype = {pools.kv_cache_dtype!r}: the MINDIR graphs hold a float32 KV cache; "
+                             f"use executor onnxruntime for a {pools.kv_cache_dtype} cache, or kv_cache_dtype auto")
+
         return MindSporeExecutor(artifact, manifest, pools, threads)
     raise ValueError(f"executor = {name!r}: choose one of {', '.join(EXECUTORS)}")
 

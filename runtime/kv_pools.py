@@ -11,23 +11,16 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from artifact.manifest import ArtifactError, Manifest
+from artifact.manifest import Manifest
 from graphs import contract as c
+from graphs import kv_cache
 
 
-def cache_dtype(manifest: Manifest) -> np.dtype:
-    """The pools' element type: the artifact's dtype, which the graphs' cache inputs are declared with."""
-    try:
-        return np.dtype(manifest.dtype)
-    except TypeError:
-        raise ArtifactError(f"manifest dtype = {manifest.dtype!r} has no numpy type to hold a KV cache in; "
-                            f"re-export with a dtype numpy knows (float32, float16)") from None
-
-
-def bytes_per_block(manifest: Manifest) -> int:
-    """One block's K and V in every layer: what each block of the budget costs."""
+def bytes_per_block(manifest: Manifest, kv_cache_dtype: str = "auto") -> int:
+    """One block's K and V in every layer, in the cache dtype: what each block of the budget costs."""
     model = manifest.model
-    return 2 * model.num_layers * manifest.block_size * model.kv_size * cache_dtype(manifest).itemsize
+    return kv_cache.bytes_per_block(manifest.kv_cache_dtype(kv_cache_dtype), model.num_layers, manifest.block_size,
+                                    model.kv_size)
 
 
 class KVPools(Mapping[str, np.ndarray]):
@@ -37,22 +30,25 @@ class KVPools(Mapping[str, np.ndarray]):
     rows through 0 * NaN in the attention's P.V product, even under the mask.
     """
 
-    def __init__(self, manifest: Manifest, num_blocks: int) -> None:
+    def __init__(self, manifest: Manifest, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks = {num_blocks}: need at least 2 (block 0 is the null block); "
                              f"raise num_blocks or kv_cache_bytes")
         self.num_blocks = num_blocks
         self.block_size = manifest.block_size
-        self.dtype = cache_dtype(manifest)
-        self.bytes_per_block = bytes_per_block(manifest)
+        # What the pools hold ("auto": the compute dtype); the artifact must have that dtype's graphs.
+        self.kv_cache_dtype = manifest.kv_cache_dtype(kv_cache_dtype)
+        self.format = kv_cache.cache_format(self.kv_cache_dtype)
+        self.dtype = self.format.numpy_dtype
+        self.bytes_per_block = bytes_per_block(manifest, self.kv_cache_dtype)
         model = manifest.model
         self._arrays = {name: np.zeros((self.num_slots, model.kv_size), self.dtype)
                         for name in c.cache_names(model.num_layers)}
 
     @classmethod
-    def for_budget(cls, manifest: Manifest, budget_bytes: int) -> "KVPools":
-        """As many blocks as `budget_bytes` holds (at least 2)."""
-        return cls(manifest, max(2, budget_bytes // bytes_per_block(manifest)))
+    def for_budget(cls, manifest: Manifest, budget_bytes: int, kv_cache_dtype: str = "auto") -> "KVPools":
+        """As many blocks of `kv_cache_dtype` as `budget_bytes` holds (at least 2)."""
+        return cls(manifest, max(2, budget_bytes // bytes_per_block(manifest, kv_cache_dtype)), kv_cache_dtype)
 
     @property
     def num_slots(self) -> int:

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from artifact.manifest import ArtifactError, Manifest
+from artifact.manifest import ArtifactError, Manifest, kv_variant
 from graphs import contract as c
+from graphs.kv_cache import cache_format
 from runtime.bench.metrics import RunRecord
 from runtime.bench.workloads import BenchRequest
 from runtime.executor_ort import session_options
@@ -27,19 +28,23 @@ _INPUTS = (c.INPUT_IDS, c.POSITIONS, c.SLOT_MAPPING, c.CONTEXT_LENS, c.LOGITS_IN
 
 
 class NaiveRunner:
-    def __init__(self, artifact: str | Path, batch_size: int = 16, threads: int | None = None) -> None:
+    def __init__(self, artifact: str | Path, batch_size: int = 16, threads: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         artifact = Path(artifact)
         manifest = Manifest.load(artifact, verify=False)
-        if NAIVE_GRAPH not in manifest.files:
-            raise ArtifactError(f"{artifact} has no {NAIVE_GRAPH}; re-export it with `export.baseline: naive` in the "
+        dtype = manifest.kv_cache_dtype(kv_cache_dtype, artifact)
+        graph = kv_variant(NAIVE_GRAPH, dtype, manifest.dtype)  # the baseline's cache holds the same dtype
+        if graph not in manifest.files:
+            raise ArtifactError(f"{artifact} has no {graph}; re-export it with `export.baseline: naive` in the "
                                 f"export YAML (or `pagedgraph export --baseline naive`), or run with --baseline none")
-        self.session = ort.InferenceSession(str(artifact / NAIVE_GRAPH), session_options(threads),
+        self.session = ort.InferenceSession(str(artifact / graph), session_options(threads),
                                             providers=["CPUExecutionProvider"])
+        self.format = cache_format(dtype)
         model = manifest.model
         self.vocab_size, self.max_len, self.batch_size = model.vocab_size, manifest.max_model_len, batch_size
         # Zeroed once: stale rows of earlier batches stay finite and are masked, like any static cache.
-        self.pools = {name: np.zeros((batch_size, model.num_kv_heads, self.max_len, model.head_dim), np.float32)
-                      for name in c.cache_names(model.num_layers)}
+        self.pools = {name: np.zeros((batch_size, model.num_kv_heads, self.max_len, model.head_dim),
+                                     self.format.numpy_dtype) for name in c.cache_names(model.num_layers)}
         self.tokenizer = Tokenizer.from_dir(artifact)
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, dict[str, np.ndarray], np.ndarray]] = {}
 
@@ -58,7 +63,8 @@ class NaiveRunner:
             for name, array in buffers.items():
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
             for name, pool in self.pools.items():
-                value = ort.OrtValue.ortvalue_from_numpy(pool[:rows])  # the first rows: still contiguous
+                rows_view = pool[:rows].view(f"u{self.format.itemsize}")  # the first rows: still contiguous; by bits
+                value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(rows_view, self.format.onnx_type)
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(c.cache_output_name(name), value)
             logits = np.zeros((rows, self.vocab_size), np.float32)

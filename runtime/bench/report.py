@@ -23,6 +23,8 @@ _FIGURES: list[tuple[str, str, Callable[[float], str]]] = [
     ("mean_step_s", "mean step s", lambda v: f"{v:.4f}"),
     ("steps", "steps", lambda v: f"{v:.0f}"),
     ("kv_cache_bytes", "KV cache MiB", lambda v: f"{v / 2**20:.0f}"),
+    ("kv_cache_blocks", "KV cache blocks", lambda v: f"{v:.0f}"),
+    ("preemptions", "preemptions", lambda v: f"{v:.0f}"),
     ("peak_rss_bytes", "peak RSS MiB", lambda v: f"{v / 2**20:.0f}"),
 ]
 
@@ -72,7 +74,8 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
 def _executor(results: dict[str, Any]) -> str:
     """The paged engine's executor, and for ONNX Runtime whether the custom ops ran: they change every figure."""
     active = results["custom_ops"]
-    precision = f", {results.get('dtype', 'float32')}, quantization {results.get('quantization', 'none')}"
+    precision = (f", {results.get('dtype', 'float32')}, quantization {results.get('quantization', 'none')}, "
+                 f"KV cache {results.get('kv_cache_dtype', 'float32')}")
     return (f"executor {results['executor']}" + ("" if active is None else f", custom ops {'on' if active else 'off'}")
             + precision)
 

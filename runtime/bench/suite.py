@@ -48,6 +48,7 @@ class BenchOptions:
     threads: int | None = None
     executor: str = "onnxruntime"  # the paged engine's; the naive baseline always runs on ONNX Runtime
     custom_ops: CustomOps = "auto"  # the paged engine's (EngineConfig); the naive baseline never uses them
+    kv_cache_dtype: str = "auto"  # the paged engine's and the naive baseline's KV cache
     chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
@@ -89,7 +90,8 @@ def _engine(options: BenchOptions, log: TextIO, **config: Any) -> tuple[LLMEngin
     requests (the next seed: no prefix hits on the measured ones), untimed.
     """
     engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor,
-                                                      custom_ops=options.custom_ops, **config))
+                                                      custom_ops=options.custom_ops,
+                                                      kv_cache_dtype=options.kv_cache_dtype, **config))
     warm_up(engine)
     if options.executor == "onnxruntime":
         return engine, None
@@ -113,6 +115,8 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
+    record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.pools.num_blocks,
+                        kv_bytes_per_block=engine.pools.bytes_per_block)
     record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes,
                         rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
     return record, requests, engine
@@ -141,7 +145,8 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
         results.update(ttft_p50_s_cache_off=off["ttft_p50_s"], total_s_cache_off=off["total_s"], cache_off=off,
                        ttft_p50_speedup_prefix_cache=off["ttft_p50_s"] / results["ttft_p50_s"])
         gc.collect()
-    naive = NaiveRunner(options.artifact, options.naive_batch, options.threads) if options.baseline else None
+    naive = NaiveRunner(options.artifact, options.naive_batch, options.threads, options.kv_cache_dtype) \
+        if options.baseline else None
     if naive is not None:
         naive.run(micro.random_requests(vocab_size, 1, 8, 2, options.seed))  # warm-up, as for the engine
         print(f"naive baseline: static batches of {options.naive_batch} ...", file=log)

@@ -43,6 +43,7 @@ class EngineSnapshot:
     prefix_hits: int
     bucket_hits: dict[str, int] = field(default_factory=dict)
     processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
+    kv_bytes_per_block: int = 0  # K and V of every layer for one block, in the pools' dtype
 
 
 class RequestHandle:
@@ -183,7 +184,8 @@ class EngineLoop:
         return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, kv.total, kv.free, kv.cached,
                               stats.steps, stats.graph_s, stats.host_s, stats.tokens_computed, stats.tokens_real,
                               stats.generated, scheduler.num_preemptions, cache.queries, cache.hits,
-                              dict(stats.bucket_hits), dict(engine.sampler.seconds))
+                              dict(stats.bucket_hits), dict(engine.sampler.seconds),
+                              engine.pools.bytes_per_block)
 
     def _run(self) -> None:
         engine, commands = self.engine, self._commands

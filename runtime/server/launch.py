@@ -36,8 +36,8 @@ def build_app(deployment: Deployment, source: str) -> FastAPI:
              sorted({g.seqs for g in gears[DECODE]}), sorted({g.blocks for g in gears[PREFILL] + gears[DECODE]}),
              len(gears[PREFILL]), len(gears[DECODE]))
     pools = engine.pools
-    log.info("KV pool: %d blocks x %d tokens = %d token slots, %.1f MiB", pools.num_blocks, pools.block_size,
-             pools.num_slots, pools.nbytes / 2**20)
+    log.info("KV pool: %d blocks x %d tokens = %d token slots, %.1f MiB of %s (%d bytes per block)", pools.num_blocks,
+             pools.block_size, pools.num_slots, pools.nbytes / 2**20, pools.kv_cache_dtype, pools.bytes_per_block)
     log.info("scheduler: max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d (limits clamped to the gears)",
              engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len)
     return create_app(EngineLoop(engine), deployment)

@@ -85,6 +85,9 @@ class _StateCollector:
             ("kv_blocks_free", "KV cache blocks free (evictable prefix-cache blocks included).", snap.kv_blocks_free),
             ("kv_blocks_cached", "KV cache blocks registered in the prefix cache (used or evictable).",
              snap.kv_blocks_cached),
+            ("kv_cache_bytes_per_block", "Bytes of one KV block (K and V, every layer) in the cache dtype.",
+             snap.kv_bytes_per_block),
+            ("kv_cache_bytes_used", "KV cache bytes held by requests.", used * snap.kv_bytes_per_block),
             ("event_loop_tasks", "Tasks on the server's event loop (this scrape's included).", self.scrape.tasks),
             ("python_threads", "Python threads in the server process.", self.scrape.threads),
         ]

@@ -158,3 +158,88 @@ def test_export_config_refuses_bad_cache_dtype_lists(dtypes: list[str], error: s
 
     with pytest.raises(ConfigError, match=error):
         validate(ExportConfig, {"export": {"kv_cache_dtypes": dtypes}}, "export.yaml")
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Three prompts sharing a 40-token prefix (2.5 blocks: the third block is partly shared), distinct tails."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, vocab, 40).tolist()
+    return [prefix + rng.integers(3, vocab, n).tolist() for n in (5, 9, 13)]
+
+
+GREEDY_KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _generate(artifact, dtype: str, prompts: list[list[int]], n: int = 1, **config):
+    from runtime.engine import LLM
+    from runtime.sampling_params import SamplingParams
+
+    llm = LLM(artifact, threads=2, kv_cache_dtype=dtype, **config)
+    outputs = llm.generate(prompts, SamplingParams(n=n, **GREEDY_KW))
+    assert all(o.error is None and o.finished for o in outputs)
+    return outputs, llm.engine
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_prefix_hits_forks_and_preemption_give_the_cold_tokens(kv_artifact, dtype: str) -> None:
+    """On a quantized (or 16-bit) cache, a prefix hit, copy-on-write forks and preemption recompute change nothing."""
+    artifact, _ = kv_artifact
+    from artifact.manifest import Manifest
+
+    prompts = _prompts(Manifest.load(artifact).model.vocab_size)
+    cold, engine = _generate(artifact, dtype, prompts, enable_prefix_caching=False, num_blocks=64)
+    assert engine.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
+    want = [o.token_ids for o in cold]
+
+    from runtime.engine import LLM
+    from runtime.sampling_params import SamplingParams
+
+    warm = LLM(artifact, threads=2, kv_cache_dtype=dtype, num_blocks=64)
+    assert warm.generate(prompts[:1], SamplingParams(**GREEDY_KW))[0].token_ids == want[0]
+    rest = warm.generate(prompts, SamplingParams(**GREEDY_KW))  # every prompt now hits the cached prefix
+    assert warm.engine.stats.cache.hits >= 3 * 32  # two full blocks of the shared prefix, per prompt
+    assert [o.token_ids for o in rest] == want
+
+    forked, _ = _generate(artifact, dtype, prompts, n=3, num_blocks=64)
+    assert [[c.token_ids for c in o.outputs] for o in forked] == [[w] * 3 for w in want]
+
+    squeezed, engine = _generate(artifact, dtype, prompts, num_blocks=6)  # 3 x 4 blocks wanted, 5 usable
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in squeezed] == want
+
+
+def test_pool_sizing_follows_the_cache_dtype(kv_artifact) -> None:
+    """One kv_cache_bytes budget: 4x the float32 blocks in int8, 2x in 16-bit; the block hash covers the dtype."""
+    from runtime.engine import EngineConfig, LLMEngine
+
+    artifact, _ = kv_artifact
+    budget = 1 << 22
+    engines = {d: LLMEngine(artifact, EngineConfig(threads=1, kv_cache_bytes=budget, kv_cache_dtype=d))
+               for d in ("auto", *KV_CACHE_DTYPES)}
+    blocks = {d: e.pools.num_blocks for d, e in engines.items()}
+    assert engines["auto"].kv_cache_dtype == "float32" and blocks["auto"] == blocks["float32"]
+    assert blocks["int8"] == 4 * blocks["float32"]
+    assert blocks["bfloat16"] == blocks["float16"] == 2 * blocks["float32"]
+    for d, e in engines.items():
+        assert e.pools.nbytes == e.pools.num_blocks * e.pools.bytes_per_block <= budget
+        assert e.runtime_info().kv_cache_dtype == e.kv_cache_dtype
+    roots = {e.kv_cache_dtype: e.kv._root for e in engines.values()}
+    assert len(set(roots.values())) == len(KV_CACHE_DTYPES)  # blocks of two dtypes never share a hash
+
+
+def test_cache_dtype_errors_name_the_fix(kv_artifact, tiny_artifact) -> None:
+    from artifact.manifest import ArtifactError, Manifest
+    from artifact.settings import ConfigError
+    from runtime.deploy_config import Deployment, engine_config
+    from runtime.engine import EngineConfig, LLMEngine
+
+    with pytest.raises(ArtifactError, match=r"kv_cache.dtype = 'int8'.*\['float32'\].*export.kv_cache_dtypes"):
+        LLMEngine(tiny_artifact, EngineConfig(kv_cache_dtype="int8"))
+    with pytest.raises(ValueError, match="kv cache dtype 'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
+    deployment = Deployment.model_validate({"model": {"artifact": str(tiny_artifact)}, "kv_cache": {"dtype": "int8"}})
+    with pytest.raises(ConfigError, match="kv_cache.dtype = int8: .* re-export with int8 in export.kv_cache_dtypes"):
+        engine_config(deployment, Manifest.load(tiny_artifact), "deploy.yaml")
+    artifact, _ = kv_artifact
+    ok = Deployment.model_validate({"model": {"artifact": str(artifact)}, "kv_cache": {"dtype": "int8"}})
+    assert engine_config(ok, Manifest.load(artifact), "deploy.yaml").kv_cache_dtype == "int8"

@@ -37,8 +37,10 @@ def test_budget_below_two_blocks_still_gives_the_null_block_and_one_more() -> No
 
 
 def test_unknown_cache_dtype_names_the_value() -> None:
-    with pytest.raises(ArtifactError, match="manifest dtype = 'float99'"):
+    with pytest.raises(ValueError, match="kv cache dtype 'float99': choose one of"):
         KVPools(_manifest("float99"), 4)
+    with pytest.raises(ArtifactError, match=r"kv_cache.dtype = 'int8': .* re-export with int8"):
+        KVPools(_manifest("float32"), 4, "int8")  # an artifact without that dtype's graphs
 
 
 def test_pools_start_zeroed_and_copy_blocks_touches_only_the_destinations() -> None:
