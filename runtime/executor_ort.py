@@ -47,14 +47,14 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     if threads:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    # Workers spin inside a step (a B=1 decode step is ~400 short kernels, ~1,800 without the custom
-    # ops: waking a sleeping worker for each cost 27% of single-stream tok/s on an idle machine) and
-    # stop when the step returns, so they never take the cores the host loop needs between steps.
-    # With another process on the cores, spinning costs instead (docs/performance.md, change 7).
+    # Workers spin inside a step (a decode step is hundreds of short kernels, and waking a sleeping
+    # worker for each is slow) and stop when the step returns, so they never take the cores the host
+    # loop needs between steps. With another process on the cores, spinning costs instead.
+    # Figures: docs/performance.md, change 7.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
-    # (-73 MiB on the mixed workload) without making steps faster.
+    # without making steps faster (docs/performance.md, change 5).
     options.enable_mem_pattern = False
     return options
 

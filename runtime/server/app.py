@@ -94,7 +94,7 @@ class Frontend:
     def close(self) -> None:
         self._tokenize.shutdown(wait=True)
 
-    # -- admission: PromptEncoder (runtime/prompts.py) -> server limits -> EngineLoop.submit -> add_request --
+    # -- admission: PromptEncoder (runtime/tokenizer.py) -> server limits -> EngineLoop.submit -> add_request --
     @staticmethod
     def _refused(exc: RequestError, prompt_field: str) -> APIError:
         """400 naming the field; what the engine calls `prompt` a chat request sends as `messages`."""

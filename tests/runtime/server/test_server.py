@@ -20,6 +20,7 @@ import openai
 import pytest
 import uvicorn
 
+from artifact.manifest import Manifest
 from runtime.deploy_config import Deployment
 from runtime.engine import LLM, RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -107,7 +108,20 @@ def test_completion_matches_offline_greedy(client: openai.OpenAI, reference: dic
     assert response.choices[0].finish_reason == want.finish_reason
     usage = response.usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
-    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 0
+    # 10 prompt tokens, less than one 16-token block: nothing of it can come from the prefix cache.
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client: openai.OpenAI, smollm2_artifact: Path) -> None:
+    """The second request is served from the first one's full blocks; the last prompt token is always computed."""
+    block_size = Manifest.load(smollm2_artifact, verify=False).block_size
+    prompt = " ".join(PROMPTS[1:5])
+    first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+                    for _ in range(2))
+    n = first.usage.prompt_tokens
+    assert n > 2 * block_size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // block_size * block_size
 
 
 def test_chat_uses_the_chat_template(client: openai.OpenAI, reference: dict[str, RequestOutput]) -> None:
