@@ -21,8 +21,8 @@ MINDIR_CONTEXT_STEPS = 3  # context_blocks: this many, x4 apart, ending at max_m
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "gguf", "w8a16", "w4a16", "w8a8"]
-# MatMulNBits block sizes (MLAS takes powers of two 16..256); 64 divides SmolLM2's 576 and 1536.
-DEFAULT_GROUP_SIZE = 64
+# MatMulNBits block sizes (MLAS takes powers of two 16..256); 32 measured best (docs/performance.md, Precision).
+DEFAULT_GROUP_SIZE = 32
 
 
 class ModelSource(Settings):
