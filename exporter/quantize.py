@@ -1,8 +1,10 @@
 """Round-to-nearest weight quantization (export `quantization: w8a16 | w4a16 | w8a8`).
 
-w8a16 / w4a16 give `BlockQuantized` (MatMulNBits); w8a8 gives the layers' linears as `Int8PerChannel`
-(Linear.w8a8: activations quantized per token in the graph) and keeps the embedding / tied LM head in the
-w8a16 form (it is also gathered, and int8 activations there cost logits precision for little speed).
+w8a16 / w4a16 give `BlockQuantized` (MatMulNBits); w8a8 gives q/k/v, o_proj and gate/up as `Int8PerChannel`
+(Linear.w8a8: activations quantized per token in the graph) and keeps down_proj and the embedding / tied LM head
+in the w8a16 form: down_proj's inputs (the SwiGLU products) carry the outlier channels, and per-token int8 there
+alone moved held-out perplexity from 1.015x to 1.033x fp32 (docs/performance.md); MatMulNBits at
+export.accuracy_level 4 still computes it in int8, with a scale per block of 32 inputs.
 
 - int8: symmetric, one scale per output row (max |w| / 127), codes + 128 with MatMulNBits' default zero
   point 128. The row's scale is repeated over the row's blocks (MatMulNBits is block-wise).
@@ -72,8 +74,10 @@ def quantize_weights(tensors: Mapping[str, Weight], quantization: str, group_siz
     for name, w in tensors.items():
         dense = np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32)
         if name.endswith(".weight") and any(f".{part}." in name for part in _LINEARS):
-            out[name] = (int8_per_channel(dense) if quantization == "w8a16" else Int8PerChannel.quantize(dense)
-                         if quantization == "w8a8" else int4_groupwise(dense, group_size))
+            if quantization == "w8a8":
+                out[name] = int8_per_channel(dense) if ".mlp.down_proj." in name else Int8PerChannel.quantize(dense)
+            else:
+                out[name] = int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = int8_per_channel(dense)
         else:
