@@ -236,7 +236,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     text = read_text(args.text)
     config = EngineConfig(threads=args.threads, executor=args.executor, custom_ops=args.custom_ops)
-    results = evaluate_artifacts(args.artifacts, text, args.context, args.stride, config)
+    kv_cache_dtypes = args.kv_cache_dtype.split(",") if args.kv_cache_dtype else []
+    results = evaluate_artifacts(args.artifacts, text, args.context, args.stride, config, kv_cache_dtypes)
     print(ratio_table(results))
     if args.json:
         base = results[0].perplexity
@@ -398,6 +399,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="UTF-8 text file, or a shipped text: heldout (the evaluation text) or calibration")
     p.add_argument("--context", type=int, default=512, help="tokens per window")
     p.add_argument("--stride", type=int, help="a window starts every STRIDE tokens (default: --context, no overlap)")
+    p.add_argument("--kv-cache-dtype", dest="kv_cache_dtype",
+                   help="KV-cache dtypes, comma-separated (auto, float32, bfloat16, float16, int8): each artifact "
+                        "runs once per dtype, in this order, so the first (e.g. auto) is the baseline "
+                        "(default: the artifact's own)")
     p.add_argument("--json", help="write the figures (perplexity, tokens scored, windows, dtype) as JSON here "
                                   "(default: not written)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")

@@ -10,9 +10,9 @@ Comparisons (precisions, KV-cache dtypes) are meaningful only on the same text, 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling_params import SamplingParams
@@ -110,9 +110,12 @@ def evaluate_text(artifact: str | Path, text: str, context: int = 512, stride: i
 
 
 def evaluate_artifacts(artifacts: list[str], text: str, context: int = 512, stride: int | None = None,
-                       config: EngineConfig = EngineConfig()) -> list[PerplexityResult]:
-    """Each artifact in turn on the same windows; the first is the baseline of `ratio_table`."""
-    return [evaluate_text(a, text, context, stride, config) for a in artifacts]
+                       config: EngineConfig = EngineConfig(),
+                       kv_cache_dtypes: Sequence[str] = ()) -> list[PerplexityResult]:
+    """Each artifact in turn (with each KV-cache dtype, when given) on the same windows; the first run is
+    the baseline of `ratio_table`."""
+    configs = [replace(config, kv_cache_dtype=d) for d in kv_cache_dtypes] or [config]
+    return [evaluate_text(a, text, context, stride, c) for a in artifacts for c in configs]
 
 
 def ratio_table(results: list[PerplexityResult]) -> str:

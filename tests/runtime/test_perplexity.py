@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from pagedgraph.cli import main
+from pagedgraph.texts import shipped_text
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.perplexity import Window, evaluate_text, plan_windows
 from runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
-from pagedgraph.texts import shipped_text
+from tests.runtime.test_kv_cache_dtypes import kv_artifact  # noqa: F401 (the fixture)
 
 SHORT = ("The tide came in twice a day, and twice a day the keeper wrote it down: the hour, the height, "
          "and whether the gulls had gone quiet before it turned.")
@@ -101,3 +102,15 @@ def test_several_artifacts_are_ratios_to_the_first(tiny_artifact: Path, tmp_path
     assert [r["ratio"] for r in runs] == [1.0, 1.0] and runs[0]["perplexity"] == runs[1]["perplexity"] > 1
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 3 and table[0].split()[-2:] == ["perplexity", "ratio"]
+
+
+def test_kv_cache_dtypes_run_in_order_after_the_first(tmp_path: Path,
+                                                       kv_artifact: tuple[Path, Path]) -> None:  # noqa: F811
+    """--kv-cache-dtype: one run per dtype of the same artifact; the int8 cache really ran (a different figure)."""
+    artifact, text = kv_artifact
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--artifact", str(artifact), "--kv-cache-dtype", "auto,int8", "--text", str(text),
+                 "--context", "32", "--json", str(out)]) == 0
+    base, int8 = json.loads(out.read_text())["runs"]
+    assert (base["kv_cache_dtype"], int8["kv_cache_dtype"]) == ("float32", "int8")
+    assert base["ratio"] == 1.0 and int8["ratio"] != 1.0 and abs(int8["ratio"] - 1) < 0.05
