@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.paths import REPO
+
 PROBE = """
 import os, sys
 from runtime.engine import EngineConfig, LLMEngine
