@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphs.config import ModelConfig
-from graphs.contract import Gear
-from graphs.ops import OP_SET_VERSION
+from ..graphs.config import ModelConfig
+from ..graphs.contract import Gear
+from ..graphs.ops import OP_SET_VERSION
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

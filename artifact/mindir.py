@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from artifact.manifest import ArtifactError
-from graphs.contract import Gear
+from .manifest import ArtifactError
+from ..graphs.contract import Gear
 
 DIRECTORY = "graphs/mindir"
 INDEX = f"{DIRECTORY}/index.json"

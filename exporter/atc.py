@@ -10,9 +10,9 @@ from pathlib import Path
 
 import onnx
 
-from artifact.manifest import Manifest
-from exporter.buckets import MAX_GEARS_PER_FAMILY, BucketError, check_ascend_limits
-from graphs.contract import Gear
+from ..artifact.manifest import Manifest
+from .buckets import MAX_GEARS_PER_FAMILY, BucketError, check_ascend_limits
+from ..graphs.contract import Gear
 
 
 def _dim_values(gear: Gear) -> dict[str, int]:

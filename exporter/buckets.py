@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import math
 
-from exporter.config import ExportOptions
-from graphs.config import ModelConfig
-from graphs.contract import DECODE, PREFILL, Gear
+from .config import ExportOptions
+from ..graphs.config import ModelConfig
+from ..graphs.contract import DECODE, PREFILL, Gear
 
 MAX_GEARS_PER_FAMILY = 100  # ATC --dynamic_dims
 

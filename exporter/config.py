@@ -5,8 +5,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from artifact.settings import Settings
-from graphs.kv_cache import KVCacheDType
+from ..artifact.settings import Settings
+from ..graphs.kv_cache import KVCacheDType
 
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)

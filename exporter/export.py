@@ -16,25 +16,25 @@ from typing import Callable, Iterable, TextIO
 import numpy as np
 import onnx
 
-from artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling, kv_variant
-from artifact.mindir import INDEX as MINDIR_INDEX
-from artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
-from exporter.buckets import plan_gears
-from exporter.checkpoint import read_checkpoint
-from exporter.checkpoint.base import Checkpoint
-from exporter.config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
+from ..artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling, kv_variant
+from ..artifact.mindir import INDEX as MINDIR_INDEX
+from ..artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
+from .buckets import plan_gears
+from .checkpoint import read_checkpoint
+from .checkpoint.base import Checkpoint
+from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig)
-from exporter.kv_calibration import calibrate_kv_scales
-from exporter.onnx.contiguous import naive_model
-from exporter.onnx.graph_builder import OnnxBuilder
-from exporter.quantize import quantize_weights
-from exporter.tokenizer_files import write_tokenizer
-from graphs import contract as c
-from graphs import llama
-from graphs.config import ModelConfig
-from graphs.contract import Gear
+from .kv_calibration import calibrate_kv_scales
+from .onnx.contiguous import naive_model
+from .onnx.graph_builder import OnnxBuilder
+from .quantize import quantize_weights
+from .tokenizer_files import write_tokenizer
+from ..graphs import contract as c
+from ..graphs import llama
+from ..graphs.config import ModelConfig
+from ..graphs.contract import Gear
 
-from graphs.kv_cache import cache_format
+from ..graphs.kv_cache import cache_format
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -80,7 +80,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
             forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
             _write_kv_variants(checkpoint, config, gears, forms, staging, calibration_text, log)
         if "mindir" in options.formats:
-            from exporter.mindspore.export import write_mindir
+            from .mindspore.export import write_mindir
 
             write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
                          options.mindir_workers)

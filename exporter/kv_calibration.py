@@ -13,10 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
-from graphs import contract as c
-from graphs.config import ModelConfig
-from graphs.contract import Gear
-from graphs.kv_cache import SCALE_FIELDS, int8_params, scale_weight_name
+from ..graphs import contract as c
+from ..graphs.config import ModelConfig
+from ..graphs.contract import Gear
+from ..graphs.kv_cache import SCALE_FIELDS, int8_params, scale_weight_name
 
 
 def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Every lowering of the op set, the registry check, and docs/design.md's generated table of bodies.
 
-`python -m exporter.lowerings` prints the table; `--write docs/design.md` replaces it between the
+`python -m pagedgraph.exporter.lowerings` prints the table; `--write docs/design.md` replaces it between the
 markers there (tests/graphs/test_op_walk.py fails when the document is stale). The MindSpore lowerings
 import MindSpore, an optional extra: this module needs it installed.
 """
@@ -11,20 +11,20 @@ import re
 from pathlib import Path
 from typing import Any
 
-from graphs.ops import OPS
-from graphs.ops.op import Lowering, body_table, missing_bodies
+from ..graphs.ops import OPS
+from ..graphs.ops.op import Lowering, body_table, missing_bodies
 
-BEGIN, END = "<!-- op-table:begin (python -m exporter.lowerings --write docs/design.md) -->", "<!-- op-table:end -->"
+BEGIN, END = "<!-- op-table:begin (python -m pagedgraph.exporter.lowerings --write docs/design.md) -->", "<!-- op-table:end -->"
 
 
 def lowerings() -> list[Lowering[Any]]:
     """In the table's column order."""
-    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
-    from exporter.mindspore.cpu_ops import MINDSPORE_CPU
-    from exporter.onnx.contiguous import CONTIGUOUS
-    from exporter.onnx.lowering import ONNX
-    from kernels.binding import KERNELS
-    from kernels.ort_ops import ORT_CUSTOM_OPS
+    from .mindspore.ascend_ops import MINDSPORE_ASCEND
+    from .mindspore.cpu_ops import MINDSPORE_CPU
+    from .onnx.contiguous import CONTIGUOUS
+    from .onnx.lowering import ONNX
+    from ..kernels.binding import KERNELS
+    from ..kernels.ort_ops import ORT_CUSTOM_OPS
 
     return [ONNX, ORT_CUSTOM_OPS, CONTIGUOUS, MINDSPORE_CPU, MINDSPORE_ASCEND, KERNELS]
 

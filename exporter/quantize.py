@@ -17,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 
-from graphs.quant import BlockQuantized, Int8PerChannel, Weight
+from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
 
 # MatMulNBits' MLAS kernels take blocks of 16..256 (powers of two).
 BLOCK_SIZES = (256, 128, 64, 32, 16)

@@ -1,10 +1,10 @@
-"""Write a checkpoint's tokenizer into an artifact directory, in the format `runtime.tokenizer` reads."""
+"""Write a checkpoint's tokenizer into an artifact directory, in the format `pagedgraph.runtime.tokenizer` reads."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from exporter.checkpoint.base import TokenizerSpec
+from .checkpoint.base import TokenizerSpec
 
 # Same names as runtime.tokenizer (the exporter does not import the runtime).
 TOKENIZER_FILE = "tokenizer.json"

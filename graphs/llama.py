@@ -11,13 +11,13 @@ from typing import Mapping, TypeVar
 
 import numpy as np
 
-from graphs import contract as c
-from graphs import ops, quant
-from graphs.config import ModelConfig
-from graphs.kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
-from graphs.ops.op import OpBuilder
-from graphs.quant import BlockQuantized, Int8PerChannel, Weight, concat_rows
-from graphs.rope_tables import rope_tables
+from . import contract as c
+from . import ops, quant
+from .config import ModelConfig
+from .kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
+from .ops.op import OpBuilder
+from .quant import BlockQuantized, Int8PerChannel, Weight, concat_rows
+from .rope_tables import rope_tables
 
 T = TypeVar("T")
 

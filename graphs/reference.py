@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from graphs.ops.op import Op
+from .ops.op import Op
 
 
 class NumpyBuilder:

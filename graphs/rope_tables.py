@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from graphs.config import ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:

@@ -12,10 +12,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from graphs import ops
-from graphs.kv_cache import KV_CACHE_DTYPES, cache_format
-from graphs.ops.op import Attributes, Lowering
-from kernels.build import library_path
+from ..graphs import ops
+from ..graphs.kv_cache import KV_CACHE_DTYPES, cache_format
+from ..graphs.ops.op import Attributes, Lowering
+from .build import library_path
 
 
 class KernelError(RuntimeError):

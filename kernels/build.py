@@ -15,8 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kernels.cache import cache_root
-from kernels.ort_headers import HEADER, include_dir
+from .cache import cache_root
+from .ort_headers import HEADER, include_dir
 
 HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphs import ops
-from graphs.ops.op import Lowering, Op
+from ..graphs import ops
+from ..graphs.ops.op import Lowering, Op
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,20 @@ The public Python API is `from pagedgraph import LLM, SamplingParams`. It is imp
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
+
+# Installed (a wheel), pagedgraph.runtime etc. lie inside this folder (setup.cfg package_dir). In a source
+# checkout they are the repository's top-level folders: search there too, so `python -m pagedgraph.cli` run
+# from a checkout imports that checkout's code, whatever else is installed.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "setup.cfg").is_file() and not (Path(__file__).parent / "runtime").exists():
+    __path__.append(str(_CHECKOUT))
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "runtime.engine", "LLMEngine": "runtime.engine", "RequestOutput": "runtime.engine",
-         "SamplingParams": "runtime.sampling_params"}
+_LAZY = {"LLM": "pagedgraph.runtime.engine", "LLMEngine": "pagedgraph.runtime.engine", "RequestOutput": "pagedgraph.runtime.engine",
+         "SamplingParams": "pagedgraph.runtime.sampling_params"}
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "__version__"]
 
 

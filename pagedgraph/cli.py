@@ -13,20 +13,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from artifact.settings import ConfigError, validate, with_overrides
-from graphs.kv_cache import KV_CACHE_DTYPES
-from pagedgraph import __version__
-from pagedgraph.texts import shipped_text
-from runtime.executors import CUSTOM_OPS
-from runtime.sampling_params import DEFAULT_MAX_TOKENS
+from .artifact.settings import ConfigError, validate, with_overrides
+from .graphs.kv_cache import KV_CACHE_DTYPES
+from . import __version__
+from .texts import shipped_text
+from .runtime.executors import CUSTOM_OPS
+from .runtime.sampling_params import DEFAULT_MAX_TOKENS
 
 CACHE_ENV = "PAGEDGRAPH_CACHE"  # where `serve --model` keeps its exports (default ~/.cache/pagedgraph/artifacts)
 
 
 def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
     """The export YAML with CLI overrides, or the built-in defaults (those of configs/smollm2.yaml) without one."""
-    from exporter.config import ExportConfig
-    from artifact.settings import load_yaml
+    from .exporter.config import ExportConfig
+    from .artifact.settings import load_yaml
 
     if config is not None:
         return load_yaml(ExportConfig, config, overrides)
@@ -34,7 +34,7 @@ def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from exporter.export import export
+    from .exporter.export import export
 
     formats = args.formats.split(",") if args.formats else None
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
@@ -60,8 +60,8 @@ def _read_requests(path: Path) -> list[dict[str, Any]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from runtime.engine import LLM
-    from runtime.sampling_params import RequestError, SamplingParams
+    from .runtime.engine import LLM
+    from .runtime.sampling_params import RequestError, SamplingParams
 
     given: dict[str, Any] = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                                ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed))
@@ -110,11 +110,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from exporter.export import export
-    from artifact.manifest import MANIFEST
-    from artifact.settings import load_yaml
-    from runtime.deploy_config import Deployment, load_deployment
-    from runtime.server.launch import serve
+    from .exporter.export import export
+    from .artifact.manifest import MANIFEST
+    from .artifact.settings import load_yaml
+    from .runtime.deploy_config import Deployment, load_deployment
+    from .runtime.server.launch import serve
 
     if args.model is not None and args.artifact is not None:
         raise ConfigError("give --model (a checkpoint, exported for you) or --artifact (an exported one), not both")
@@ -138,12 +138,12 @@ def _serve(args: argparse.Namespace) -> int:
     model = deployment.model
     if not (Path(model.artifact) / MANIFEST).is_file():
         if model.export_config is None:
-            from artifact.manifest import not_an_artifact
+            from .artifact.manifest import not_an_artifact
 
             raise ConfigError(f"model.artifact: {not_an_artifact(Path(model.artifact))}; or set model.export_config "
                               f"in {source} so serve exports it there")
         log.info("exporting %s with %s", model.artifact, model.export_config)
-        from exporter.config import ExportConfig
+        from .exporter.config import ExportConfig
 
         export(load_yaml(ExportConfig, model.export_config), model.artifact,
                calibration_text=shipped_text("calibration"))
@@ -159,12 +159,12 @@ def _cached_export(model: str, log: Any) -> tuple[str, str]:
     """`serve --model`: the artifact of `model` with the default export options, exported into the cache on first
     use. The cache key covers the checkpoint (path, file sizes and times), the options and pagedgraph's version,
     so a changed checkpoint or a new pagedgraph exports afresh. Returns the artifact and the model's name."""
-    from exporter.checkpoint import DEFAULT_SOURCE
-    from exporter.export import export
-    from artifact.manifest import MANIFEST
+    from .exporter.checkpoint import DEFAULT_SOURCE
+    from .exporter.export import export
+    from .artifact.manifest import MANIFEST
 
     if model == DEFAULT_SOURCE:
-        from exporter.checkpoint.gguf_reader import default_model_path
+        from .exporter.checkpoint.gguf_reader import default_model_path
 
         source = default_model_path()
     else:
@@ -187,7 +187,7 @@ def _cached_export(model: str, log: Any) -> tuple[str, str]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pagedgraph.inspect import describe, text
+    from .inspect import describe, text
 
     record = describe(Path(args.artifact), verify=not args.no_verify)
     if args.json:
@@ -198,7 +198,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _atc_plan(args: argparse.Namespace) -> int:
-    from exporter.atc import atc_commands
+    from .exporter.atc import atc_commands
 
     for family, command in atc_commands(Path(args.artifact), args.num_blocks, args.soc_version).items():
         print(f"# {family}\n{command}")
@@ -206,8 +206,8 @@ def _atc_plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from runtime.bench.report import markdown_table, plot, text_table
-    from runtime.bench.suite import NO_BASELINE, BenchOptions, run_bench
+    from .runtime.bench.report import markdown_table, plot, text_table
+    from .runtime.bench.suite import NO_BASELINE, BenchOptions, run_bench
 
     self_compared = args.workload in NO_BASELINE
     baseline = args.baseline or ("none" if self_compared else "naive")
@@ -230,9 +230,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pagedgraph.texts import read_text
-    from runtime.engine import EngineConfig
-    from runtime.perplexity import evaluate_artifacts, ratio_table
+    from .texts import read_text
+    from .runtime.engine import EngineConfig
+    from .runtime.perplexity import evaluate_artifacts, ratio_table
 
     text = read_text(args.text)
     config = EngineConfig(threads=args.threads, executor=args.executor, custom_ops=args.custom_ops)

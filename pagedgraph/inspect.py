@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exporter.export import family_summary
-from artifact.manifest import MANIFEST, Manifest, file_sha256
+from .exporter.export import family_summary
+from .artifact.manifest import MANIFEST, Manifest, file_sha256
 
 
 def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:

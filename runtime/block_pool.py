@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from graphs.contract import NULL_BLOCK
+from ..graphs.contract import NULL_BLOCK
 
 
 @dataclass

@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from artifact.manifest import Manifest
-from artifact.settings import ConfigError, Settings, load_yaml
-from graphs.contract import DECODE, PREFILL, Gear
-from runtime.engine import EngineConfig
-from runtime.executors import CustomOps
-from runtime.sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
+from ..artifact.manifest import Manifest
+from ..artifact.settings import ConfigError, Settings, load_yaml
+from ..graphs.contract import DECODE, PREFILL, Gear
+from .engine import EngineConfig
+from .executors import CustomOps
+from .sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 

@@ -8,23 +8,23 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq
 
-from artifact.manifest import Manifest
-from graphs.contract import DECODE, PREFILL, Gear
-from graphs.kv_cache import cache_format
-from runtime.block_pool import CacheStats
-from runtime.executors import CustomOps, check_custom_ops, make_executor
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.kv_pools import KVPools
-from runtime.packer import Packer
-from runtime.logits_processors import Penalties
-from runtime.prompt_logprobs import PromptLogprobs, prompt_logprob_entries
-from runtime.sampler import Sampler, top_logprobs
-from runtime.sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
+from ..artifact.manifest import Manifest
+from ..graphs.contract import DECODE, PREFILL, Gear
+from ..graphs.kv_cache import cache_format
+from .block_pool import CacheStats
+from .executors import CustomOps, check_custom_ops, make_executor
+from .kv_cache_manager import KVCacheManager
+from .kv_pools import KVPools
+from .packer import Packer
+from .logits_processors import Penalties
+from .prompt_logprobs import PromptLogprobs, prompt_logprob_entries
+from .sampler import Sampler, top_logprobs
+from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
                                      resolve_max_tokens)
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence, SequenceStatus
-from runtime.structured_output import GrammarCompiler, StructuredOutputs
-from runtime.tokenizer import IncrementalDetokenizer, Prompt, PromptEncoder, Tokenizer
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .structured_output import GrammarCompiler, StructuredOutputs
+from .tokenizer import IncrementalDetokenizer, Prompt, PromptEncoder, Tokenizer
 
 
 @dataclass(frozen=True)

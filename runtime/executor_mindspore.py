@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from artifact.manifest import ArtifactError, Manifest
-from artifact.mindir import MindirIndex, import_mindspore
-from graphs.contract import Gear
-from kernels.binding import set_threads
-from kernels.build import library_path
-from runtime.kv_pools import KVPools
+from ..artifact.manifest import ArtifactError, Manifest
+from ..artifact.mindir import MindirIndex, import_mindspore
+from ..graphs.contract import Gear
+from ..kernels.binding import set_threads
+from ..kernels.build import library_path
+from .kv_pools import KVPools
 
 
 class MindSporeExecutor:

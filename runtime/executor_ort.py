@@ -21,13 +21,13 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
-from artifact.manifest import Manifest
-from graphs import contract as c
-from graphs.contract import Gear
-from graphs.kv_cache import cache_format
-from kernels.build import KernelBuildError, ort_library_path
-from kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
-from runtime.kv_pools import KVPools
+from ..artifact.manifest import Manifest
+from ..graphs import contract as c
+from ..graphs.contract import Gear
+from ..graphs.kv_cache import cache_format
+from ..kernels.build import KernelBuildError, ort_library_path
+from ..kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
+from .kv_pools import KVPools
 
 log = logging.getLogger(__name__)
 # Whether the fused ops run as pagedgraph's C++ custom ops: "auto" falls back when they cannot be built.

@@ -6,10 +6,10 @@ from typing import Protocol
 
 import numpy as np
 
-from artifact.manifest import Manifest
-from graphs.contract import Gear
-from runtime.executor_ort import CUSTOM_OPS, CustomOps, OrtExecutor, check_custom_ops
-from runtime.kv_pools import KVPools
+from ..artifact.manifest import Manifest
+from ..graphs.contract import Gear
+from .executor_ort import CUSTOM_OPS, CustomOps, OrtExecutor, check_custom_ops
+from .kv_pools import KVPools
 
 EXECUTORS = ("onnxruntime", "mindspore")
 
@@ -36,7 +36,7 @@ def make_executor(name: str, artifact: Path, manifest: Manifest, pools: KVPools,
     if name == "onnxruntime":
         return OrtExecutor(artifact, manifest, pools, threads, custom_ops)
     if name == "mindspore":
-        from runtime.executor_mindspore import MindSporeExecutor
+        from .executor_mindspore import MindSporeExecutor
 
         if pools.kv_cache_dtype != "float32":
             raise ValueError(f"kv_cache_dtype = {pools.kv_cache_dtype!r}: the MINDIR graphs hold a float32 KV cache; "

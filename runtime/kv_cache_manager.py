@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.block_pool import BlockPool, CacheStats, KVBlock
-from runtime.prefix_hash import extend_hashes, root_hash
-from runtime.sequence import Sequence
+from .block_pool import BlockPool, CacheStats, KVBlock
+from .prefix_hash import extend_hashes, root_hash
+from .sequence import Sequence
 
 CopyPairs = list[tuple[int, int]]
 

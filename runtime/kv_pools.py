@@ -11,9 +11,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from artifact.manifest import Manifest
-from graphs import contract as c
-from graphs import kv_cache
+from ..artifact.manifest import Manifest
+from ..graphs import contract as c
+from ..graphs import kv_cache
 
 
 def bytes_per_block(manifest: Manifest, kv_cache_dtype: str = "auto") -> int:

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence as Seq
 
 import numpy as np
 
-from runtime.sequence import Sequence
+from .sequence import Sequence
 
 
 class LogitsProcessor(Protocol):

@@ -5,10 +5,10 @@ import bisect
 
 import numpy as np
 
-from artifact.manifest import Manifest
-from graphs import contract as c
-from graphs.contract import DECODE, PREFILL, Gear
-from runtime.scheduler import ScheduledBatch
+from ..artifact.manifest import Manifest
+from ..graphs import contract as c
+from ..graphs.contract import DECODE, PREFILL, Gear
+from .scheduler import ScheduledBatch
 
 
 class NoGearError(RuntimeError):

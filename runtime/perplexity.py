@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.sampling_params import SamplingParams
+from .engine import EngineConfig, LLMEngine
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

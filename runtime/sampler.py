@@ -12,8 +12,8 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from runtime.logits_processors import LogitsProcessor
-from runtime.sequence import Sequence
+from .logits_processors import LogitsProcessor
+from .sequence import Sequence
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:

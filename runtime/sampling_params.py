@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from runtime.constraints import Constraint, ConstraintError
+from .constraints import Constraint, ConstraintError
 
 # OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
 LOGIT_BIAS_LIMIT = 100.0

@@ -13,8 +13,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.kv_cache_manager import CopyPairs, KVCacheManager
-from runtime.sequence import Sequence, SequenceStatus
+from .kv_cache_manager import CopyPairs, KVCacheManager
+from .sequence import Sequence, SequenceStatus
 
 
 def _arrival(seq: Sequence) -> float:

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.prompt_logprobs import PromptLogprobs
-from runtime.sampling_params import SamplingParams
+from .prompt_logprobs import PromptLogprobs
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

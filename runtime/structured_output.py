@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 import numpy as np
 
-from runtime.constraints import Constraint
-from runtime.sampling_params import RequestError
+from .constraints import Constraint
+from .sampling_params import RequestError
 
 if TYPE_CHECKING:
     import llguidance
 
-    from runtime.sequence import Sequence
-    from runtime.tokenizer import Tokenizer
+    from .sequence import Sequence
+    from .tokenizer import Tokenizer
 
 # JSON is written on one line with the standard separators and no free whitespace: a small model
 # given free whitespace tends to emit newlines until max_tokens cuts the document off.

@@ -1,6 +1,6 @@
 """The serving-side tokenizer: encode prompts, render chat templates, stream text out.
 
-An artifact directory carries two files, written by `exporter.tokenizer_files.write_tokenizer`:
+An artifact directory carries two files, written by `pagedgraph.exporter.tokenizer_files.write_tokenizer`:
 
 - `tokenizer.json`: an HF `tokenizers` tokenizer, verbatim.
 - `tokenizer_config.json`: what generation needs besides it::
@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders
 
-from runtime.sampling_params import CONTEXT_LENGTH_EXCEEDED, RequestError
+from .sampling_params import CONTEXT_LENGTH_EXCEEDED, RequestError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.tokenizer import Tokenizer  # noqa: E402
+from pagedgraph.runtime.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -153,7 +153,7 @@ def measure(engine_type: type, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def apply_cost(vocab: int) -> float:
     """ms to apply B=16 bitmasks to copies of B x vocab float32 logits rows, as StructuredOutputs does."""
-    from runtime.structured_output import _BYTE_BIAS
+    from pagedgraph.runtime.structured_output import _BYTE_BIAS
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((BATCH, vocab), dtype=np.float32)
     mask = rng.integers(-2**31, 2**31 - 1, size=(BATCH, (vocab + 31) // 32), dtype=np.int32)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exporter.checkpoint.gguf_reader import default_model_path  # noqa: E402
+from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path  # noqa: E402
 from pagedgraph.texts import read_text  # noqa: E402
 
 

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from artifact.manifest import Manifest
-from graphs.kv_cache import bytes_per_block
-from runtime.bench import micro, workloads
-from runtime.bench.runner import run_engine, warm_up
-from runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.graphs.kv_cache import bytes_per_block
+from pagedgraph.runtime.bench import micro, workloads
+from pagedgraph.runtime.bench.runner import run_engine, warm_up
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 
 
 def _engine(artifact: str, dtype: str, threads: int | None, **config: Any) -> LLMEngine:

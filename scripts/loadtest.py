@@ -40,9 +40,9 @@ from typing import Any
 import httpx
 import psutil
 
-from artifact.manifest import Manifest
-from runtime.deploy_config import load_deployment
-from runtime.workloads import shared_prefix_workload
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.runtime.deploy_config import load_deployment
+from pagedgraph.runtime.workloads import shared_prefix_workload
 
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 

@@ -4,7 +4,7 @@ Issue #3 quotes onnxruntime-genai's single-stream figure for this machine kind b
 concurrent requests; this measures both here, alternately, so the ratio holds on a shared machine.
 For N in --counts, N requests of --prompt-tokens random ids (>= 100, fixed seed) each generate
 exactly --max-tokens tokens greedily (EOS cannot stop them). genai serves them as one static batch
-of N; our engine serves them with `runtime.bench.runner.run_engine`, as `micro.engine_concurrency`
+of N; our engine serves them with `pagedgraph.runtime.bench.runner.run_engine`, as `micro.engine_concurrency`
 does. Both figures are `micro.decode_tok_s`: tokens after every request's first, per second.
 Every run has fresh prompts (the next seed), the same for both engines, which take turns going
 first; the best of --rounds is reported. Equal lengths are static batching's best case: this part
@@ -49,11 +49,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime.bench import micro  # noqa: E402
-from runtime.bench.metrics import RunRecord  # noqa: E402
-from runtime.bench.runner import bench_params, run_engine, warm_up  # noqa: E402
-from runtime.bench.workloads import FIRST_PLAIN_TOKEN, BenchRequest  # noqa: E402
-from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedgraph.runtime.bench import micro  # noqa: E402
+from pagedgraph.runtime.bench.metrics import RunRecord  # noqa: E402
+from pagedgraph.runtime.bench.runner import bench_params, run_engine, warm_up  # noqa: E402
+from pagedgraph.runtime.bench.workloads import FIRST_PLAIN_TOKEN, BenchRequest  # noqa: E402
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 
 
 def make_hf_dir(out: Path) -> None:
@@ -64,7 +64,7 @@ def make_hf_dir(out: Path) -> None:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporter.checkpoint.gguf_reader import default_model_path
+    from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
 
     path = Path(default_model_path())
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from exporter.checkpoint.gguf_reader import default_model_path
-from runtime.bench import micro
-from runtime.bench.runner import run_engine
-from runtime.bench.workloads import FIRST_PLAIN_TOKEN
-from runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
+from pagedgraph.runtime.bench import micro
+from pagedgraph.runtime.bench.runner import run_engine
+from pagedgraph.runtime.bench.workloads import FIRST_PLAIN_TOKEN
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 
 
 def llama_cpp_tok_s(llm: Any, prompt: list[int], max_tokens: int) -> float:

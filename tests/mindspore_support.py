@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from exporter.config import ExportConfig
-from exporter.export import export
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import export
 
 
 def require_mindspore() -> None:

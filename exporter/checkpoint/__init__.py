@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec
-from exporter.checkpoint.hf_reader import read_hf_dir
+from .base import Checkpoint, CheckpointError, TokenizerSpec
+from .hf_reader import read_hf_dir
 
 __all__ = ["Checkpoint", "CheckpointError", "TokenizerSpec", "read_checkpoint", "read_hf_dir"]
 
@@ -18,7 +18,7 @@ def read_checkpoint(path: str | os.PathLike[str], keep_blocks: bool = False) -> 
 
     `keep_blocks`: a GGUF's quantized tensors stay in their blocks (only GGUF files have them)."""
     if str(path) == DEFAULT_SOURCE:
-        from exporter.checkpoint.gguf_reader import default_model_path
+        from .gguf_reader import default_model_path
 
         path = default_model_path()
     p = Path(path)
@@ -26,7 +26,7 @@ def read_checkpoint(path: str | os.PathLike[str], keep_blocks: bool = False) -> 
         return read_hf_dir(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
         # Imported lazily so HF-only users never need the gguf package.
-        from exporter.checkpoint.gguf_reader import read_gguf
+        from .gguf_reader import read_gguf
 
         return read_gguf(p, keep_blocks=keep_blocks)
     if not p.exists():

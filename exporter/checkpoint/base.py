@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from graphs.config import ModelConfig
-from graphs.quant import Weight
+from ...graphs.config import ModelConfig
+from ...graphs.quant import Weight
 
 
 class CheckpointError(ValueError):

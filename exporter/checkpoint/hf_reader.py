@@ -17,8 +17,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError, TokenizerSpec, expected_shapes
-from graphs.config import ModelConfig, RopeScaling
+from .base import Checkpoint, CheckpointError, TokenizerSpec, expected_shapes
+from ...graphs.config import ModelConfig, RopeScaling
 
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

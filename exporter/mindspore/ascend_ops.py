@@ -16,9 +16,9 @@ from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 from mindspore.ops import auto_generate as prims
 
-from exporter.mindspore.common_ops import COMMON, Body
-from graphs import ops as op_set
-from graphs.ops.op import Lowering
+from .common_ops import COMMON, Body
+from ...graphs import ops as op_set
+from ...graphs.ops.op import Lowering
 
 # FlashAttentionScore's causal sparse modes read a compressed 2048x2048 mask (ones above the diagonal).
 _CAUSAL_MASK_SIZE = 2048

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from graphs import contract as c
-from graphs.ops.op import Attributes, Lowering, Op
+from ...graphs import contract as c
+from ...graphs.ops.op import Attributes, Lowering, Op
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from typing import Any
 
 from mindspore import nn, ops
 
-from graphs import ops as op_set
+from ...graphs import ops as op_set
 
 
 class Body(nn.Cell):

@@ -14,9 +14,9 @@ import numpy as np
 from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 
-from exporter.mindspore.common_ops import COMMON, Body
-from graphs import ops as op_set
-from graphs.ops.op import Lowering
+from .common_ops import COMMON, Body
+from ...graphs import ops as op_set
+from ...graphs.ops.op import Lowering
 
 
 def _kernel(library: Path, name: str, side_effect: bool = False, **attrs: object) -> ops.Custom:

@@ -16,14 +16,14 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, WeightEntry, gear_key, import_mindspore,
+from ...artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, WeightEntry, gear_key, import_mindspore,
                              write_weights)
-from exporter.checkpoint.base import Checkpoint
-from exporter.mindspore.builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
-from graphs import contract as c
-from graphs import llama
-from graphs.config import ModelConfig
-from graphs.contract import DECODE, Gear
+from ..checkpoint.base import Checkpoint
+from .builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
+from ...graphs import contract as c
+from ...graphs import llama
+from ...graphs.config import ModelConfig
+from ...graphs.contract import DECODE, Gear
 
 DTYPES = {"cpu": np.float32, "ascend": np.float16}
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
@@ -154,12 +154,12 @@ def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights:
                  scratch: Path) -> tuple[Any, MindSporeBuilder]:
     """Record llama.build against the target's lowering and instantiate the generated Cell."""
     if target == "cpu":
-        from exporter.mindspore.cpu_ops import MINDSPORE_CPU
-        from kernels.build import library_path
+        from .cpu_ops import MINDSPORE_CPU
+        from ...kernels.build import library_path
 
         lowering, ms_target = MINDSPORE_CPU, MindSporeTarget("cpu", library=library_path())
     else:
-        from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND, Float32Logits
+        from .ascend_ops import MINDSPORE_ASCEND, Float32Logits
 
         lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
                                                                 logits=Float32Logits)

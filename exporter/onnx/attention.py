@@ -9,9 +9,9 @@ from typing import Callable
 
 from onnx import TensorProto, helper
 
-from exporter.onnx.kv_cache import Dequant
-from exporter.onnx.nodes import Nodes
-from graphs.kv_cache import cache_format
+from .kv_cache import Dequant
+from .nodes import Nodes
+from ...graphs.kv_cache import cache_format
 
 NEG_INF = -1e30
 

@@ -21,16 +21,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from exporter.onnx.attention import NEG_INF
-from exporter.onnx.graph_builder import OnnxBuilder
-from exporter.onnx.lowering import ONNX
-from exporter.onnx.kv_cache import from_cache, to_cache
-from exporter.onnx.nodes import Nodes
-from graphs import contract as c
-from graphs import llama, ops
-from graphs.config import ModelConfig
-from graphs.kv_cache import CacheFormat, cache_format
-from graphs.ops.op import Attributes, Lowering, Op
+from .attention import NEG_INF
+from .graph_builder import OnnxBuilder
+from .lowering import ONNX
+from .kv_cache import from_cache, to_cache
+from .nodes import Nodes
+from ...graphs import contract as c
+from ...graphs import llama, ops
+from ...graphs.config import ModelConfig
+from ...graphs.kv_cache import CacheFormat, cache_format
+from ...graphs.ops.op import Attributes, Lowering, Op
 
 
 class ContiguousBuilder(OnnxBuilder):

@@ -7,11 +7,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.onnx.lowering import ONNX, OnnxBody, OnnxGraph
-from graphs import contract as c
-from graphs.config import ModelConfig
-from graphs.kv_cache import cache_format
-from graphs.ops.op import Lowering, Op
+from .lowering import ONNX, OnnxBody, OnnxGraph
+from ...graphs import contract as c
+from ...graphs.config import ModelConfig
+from ...graphs.kv_cache import cache_format
+from ...graphs.ops.op import Lowering, Op
 
 IR_VERSION = 10
 NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,

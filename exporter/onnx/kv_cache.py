@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from exporter.onnx.nodes import Nodes
-from graphs.kv_cache import INT8_MAX, INT8_MIN, CacheFormat
+from .nodes import Nodes
+from ...graphs.kv_cache import INT8_MAX, INT8_MIN, CacheFormat
 
 
 def to_cache(n: Nodes, fmt: CacheFormat, x: str, inv_scale: str | None = None, offset: str | None = None) -> str:

@@ -15,12 +15,12 @@ from typing import Any, Callable, Sequence
 
 from onnx import FunctionProto, helper
 
-from exporter.onnx import attention, quantized
-from exporter.onnx.kv_cache import to_cache
-from exporter.onnx.nodes import ATB_DOMAIN, OPSET, Nodes
-from graphs import ops
-from graphs.kv_cache import cache_format
-from graphs.ops.op import Attributes, Lowering, Op
+from . import attention, quantized
+from .kv_cache import to_cache
+from .nodes import ATB_DOMAIN, OPSET, Nodes
+from ...graphs import ops
+from ...graphs.kv_cache import cache_format
+from ...graphs.ops.op import Attributes, Lowering, Op
 
 
 class OnnxGraph:

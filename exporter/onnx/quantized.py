@@ -16,8 +16,8 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 from onnx import TensorProto
 
-from exporter.onnx.nodes import Nodes
-from graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
+from .nodes import Nodes
+from ...graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
 
 MS_DOMAIN = "com.microsoft"
 

@@ -4,22 +4,22 @@ Every lowering registers one body per op (graphs/ops/op.py: `Lowering`); the num
 are the ground truth the lowerings are tested against (tests/graphs/test_op_walk.py). Bump
 OP_SET_VERSION when a contract changes: artifacts record it and the runtime refuses a mismatch.
 """
-from graphs.ops.add import ADD, add
-from graphs.ops.gather import GATHER, gather
-from graphs.ops.kv_cache_variants import (KV_CACHE_OPS, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8,
+from .add import ADD, add
+from .gather import GATHER, gather
+from .kv_cache_variants import (KV_CACHE_OPS, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8,
                                           RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8)
-from graphs.ops.linear import LINEAR, linear
-from graphs.ops.linear_block_quantized import GATHER_BLOCK_QUANTIZED, LINEAR_BLOCK_QUANTIZED
-from graphs.ops.linear_w8a8 import LINEAR_W8A8
-from graphs.ops.linear_w8a8_static import LINEAR_W8A8_STATIC
-from graphs.ops.op import Op
-from graphs.ops.paged_attention import PAGED_ATTENTION, paged_attention
-from graphs.ops.reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
-from graphs.ops.rms_norm import RMS_NORM, rms_norm
-from graphs.ops.rope import ROPE, rope
-from graphs.ops.self_attention import SELF_ATTENTION, self_attention
-from graphs.ops.split import SPLIT, split
-from graphs.ops.swiglu import SWIGLU, swiglu
+from .linear import LINEAR, linear
+from .linear_block_quantized import GATHER_BLOCK_QUANTIZED, LINEAR_BLOCK_QUANTIZED
+from .linear_w8a8 import LINEAR_W8A8
+from .linear_w8a8_static import LINEAR_W8A8_STATIC
+from .op import Op
+from .paged_attention import PAGED_ATTENTION, paged_attention
+from .reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
+from .rms_norm import RMS_NORM, rms_norm
+from .rope import ROPE, rope
+from .self_attention import SELF_ATTENTION, self_attention
+from .split import SPLIT, split
+from .swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.

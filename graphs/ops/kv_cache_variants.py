@@ -12,11 +12,11 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.kv_cache import (DEQUANT_INPUTS, QUANT_INPUTS, CacheFormat, KVCacheDType, cache_format, from_cache,
+from ..kv_cache import (DEQUANT_INPUTS, QUANT_INPUTS, CacheFormat, KVCacheDType, cache_format, from_cache,
                              int8_params, to_cache)
-from graphs.ops.op import Example, Op, Tensor
-from graphs.ops.paged_attention import PAGED_ATTENTION, paged_attention
-from graphs.ops.reshape_and_cache import RESHAPE_AND_CACHE
+from .op import Example, Op, Tensor
+from .paged_attention import PAGED_ATTENTION, paged_attention
+from .reshape_and_cache import RESHAPE_AND_CACHE
 
 
 def reshape_and_cache_typed(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

@@ -13,9 +13,9 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal
-from graphs.ops.op import Attributes, Example, Op, Tensor
-from graphs.quant import BlockQuantized, from_graph, graph_arrays, unpack_codes
+from .examples import normal
+from .op import Attributes, Example, Op, Tensor
+from ..quant import BlockQuantized, from_graph, graph_arrays, unpack_codes
 
 
 @dataclass(frozen=True)

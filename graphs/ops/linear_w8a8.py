@@ -14,9 +14,9 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal
-from graphs.ops.op import Attributes, Example, Op, Tensor
-from graphs.quant import Int8PerChannel
+from .examples import normal
+from .op import Attributes, Example, Op, Tensor
+from ..quant import Int8PerChannel
 
 # Smallest row maximum: a row of zeros quantizes to zeros instead of dividing by zero.
 ROW_MAX_FLOOR = 1e-8

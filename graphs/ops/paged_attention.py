@@ -6,9 +6,9 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.attention import attend
-from graphs.ops.examples import packed_step, random_step
-from graphs.ops.op import Attributes, Example, Op, Tensor
+from .attention import attend
+from .examples import packed_step, random_step
+from .op import Attributes, Example, Op, Tensor
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal
-from graphs.ops.op import Example, Op, Tensor
+from .examples import normal
+from .op import Example, Op, Tensor
 
 
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

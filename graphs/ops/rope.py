@@ -6,8 +6,8 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal, rope_tables
-from graphs.ops.op import Attributes, Example, Op, Tensor
+from .examples import normal, rope_tables
+from .op import Attributes, Example, Op, Tensor
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.attention import attend
-from graphs.ops.examples import normal
-from graphs.ops.op import Attributes, Example, Op, Tensor
+from .attention import attend
+from .examples import normal
+from .op import Attributes, Example, Op, Tensor
 
 
 @dataclass(frozen=True)

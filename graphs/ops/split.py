@@ -6,8 +6,8 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal
-from graphs.ops.op import Attributes, Example, Op, Tensor
+from .examples import normal
+from .op import Attributes, Example, Op, Tensor
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from typing import Iterator
 
 import numpy as np
 
-from graphs.ops.examples import normal
-from graphs.ops.op import Example, Op, Tensor
+from .examples import normal
+from .op import Example, Op, Tensor
 
 
 def swiglu(x: np.ndarray) -> np.ndarray:

@@ -16,11 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from artifact.manifest import Manifest
-from graphs import contract as c
-from graphs.contract import DECODE, PREFILL, Gear
-from runtime.executor_ort import register_custom_ops, session_options
-from runtime.executors import CustomOps
+from ...artifact.manifest import Manifest
+from ...graphs import contract as c
+from ...graphs.contract import DECODE, PREFILL, Gear
+from ..executor_ort import register_custom_ops, session_options
+from ..executors import CustomOps
 
 MLAS_PATHS = {0: "SQNBitGemm CompFp32", 1: "SQNBitGemm CompFp32", 2: "SQNBitGemm CompFp16",
               3: "SQNBitGemm CompBf16", 4: "SQNBitGemm CompInt8"}

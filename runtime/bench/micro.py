@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 
-from runtime.bench.metrics import RunRecord
-from runtime.bench.runner import bench_params, run_engine
-from runtime.bench.workloads import FIRST_PLAIN_TOKEN, BenchRequest
-from runtime.constraints import Constraint
-from runtime.engine import LLMEngine
-from runtime.sampling_params import SamplingParams
+from .metrics import RunRecord
+from .runner import bench_params, run_engine
+from .workloads import FIRST_PLAIN_TOKEN, BenchRequest
+from ..constraints import Constraint
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
 
 # An endless JSON array of records (no closing bracket, so no sequence finishes while it is timed): keys,
 # enums, strings, integers and nesting, the mask states a JSON-schema request walks through.

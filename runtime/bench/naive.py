@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from artifact.manifest import ArtifactError, Manifest, kv_variant
-from graphs import contract as c
-from graphs.kv_cache import cache_format
-from runtime.bench.metrics import RunRecord
-from runtime.bench.workloads import BenchRequest
-from runtime.executor_ort import session_options
-from runtime.tokenizer import Tokenizer
+from ...artifact.manifest import ArtifactError, Manifest, kv_variant
+from ...graphs import contract as c
+from ...graphs.kv_cache import cache_format
+from .metrics import RunRecord
+from .workloads import BenchRequest
+from ..executor_ort import session_options
+from ..tokenizer import Tokenizer
 
 NAIVE_GRAPH = "graphs/naive.onnx"  # written by `pagedgraph export` when export.baseline is naive
 _INPUTS = (c.INPUT_IDS, c.POSITIONS, c.SLOT_MAPPING, c.CONTEXT_LENS, c.LOGITS_INDICES)

@@ -5,10 +5,10 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from runtime.bench.metrics import RunRecord
-from runtime.bench.workloads import BenchRequest
-from runtime.engine import LLMEngine
-from runtime.sampling_params import SamplingParams
+from .metrics import RunRecord
+from .workloads import BenchRequest
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
 
 _COUNTERS = ("steps", "host_s", "graph_s", "tokens_computed", "tokens_real")  # EngineStats fields read as deltas
 

@@ -16,16 +16,16 @@ from typing import Any, TextIO
 import numpy as np
 import onnxruntime as ort
 
-from artifact.manifest import Manifest
-from graphs.contract import PREFILL
-from runtime.bench import micro, workloads
-from runtime.bench.kernels import profile_kernels
-from runtime.bench.metrics import RunRecord, peak_rss_bytes, percentile
-from runtime.bench.naive import NaiveRunner
-from runtime.bench.runner import run_engine, warm_up
-from runtime.bench.workloads import BenchRequest
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.executors import CustomOps
+from ...artifact.manifest import Manifest
+from ...graphs.contract import PREFILL
+from . import micro, workloads
+from .kernels import profile_kernels
+from .metrics import RunRecord, peak_rss_bytes, percentile
+from .naive import NaiveRunner
+from .runner import run_engine, warm_up
+from .workloads import BenchRequest
+from ..engine import EngineConfig, LLMEngine
+from ..executors import CustomOps
 
 DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
 NO_BASELINE = ("stress",)  # workloads compared with themselves (chunking on vs off), not with the naive engine

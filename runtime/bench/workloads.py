@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from runtime.workloads import shared_prefix_workload
+from ..workloads import shared_prefix_workload
 
 WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress")
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary

@@ -27,18 +27,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from runtime.deploy_config import Deployment
-from runtime.engine import RequestOutput
-from runtime.constraints import ConstraintError
-from runtime.sampling_params import RequestError, SamplingParams
-from runtime.server import metrics
-from runtime.server.body_limit import BodyLimit
-from runtime.server.engine_loop import EngineLoop, RequestHandle
-from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from ..deploy_config import Deployment
+from ..engine import RequestOutput
+from ..constraints import ConstraintError
+from ..sampling_params import RequestError, SamplingParams
+from . import metrics
+from .body_limit import BodyLimit
+from .engine_loop import EngineLoop, RequestHandle
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      SamplingFields, TokenizeRequest)
-from runtime.server.tool_calls import (ToolChatFormat, ToolRequest, structured_output, template_takes_tools,
+from .tool_calls import (ToolChatFormat, ToolRequest, structured_output, template_takes_tools,
                                        tool_request)
-from runtime.server.responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
+from .responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")

@@ -12,7 +12,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.server.protocol import APIError
+from .protocol import APIError
 
 DRAIN_FACTOR = 64
 

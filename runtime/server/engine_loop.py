@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from ..engine import LLMEngine, RequestOutput
+from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")

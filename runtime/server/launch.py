@@ -13,13 +13,13 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from artifact.manifest import Manifest
-from artifact.settings import ConfigError
-from graphs.contract import DECODE, PREFILL
-from runtime.deploy_config import Deployment, engine_config
-from runtime.engine import LLMEngine
-from runtime.server.app import Frontend, create_app
-from runtime.server.engine_loop import EngineLoop
+from ...artifact.manifest import Manifest
+from ...artifact.settings import ConfigError
+from ...graphs.contract import DECODE, PREFILL
+from ..deploy_config import Deployment, engine_config
+from ..engine import LLMEngine
+from .app import Frontend, create_app
+from .engine_loop import EngineLoop
 
 log = logging.getLogger("pagedgraph.server")
 

@@ -18,8 +18,8 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from runtime.engine import RequestOutput
-from runtime.server.engine_loop import EngineSnapshot
+from ..engine import RequestOutput
+from .engine_loop import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

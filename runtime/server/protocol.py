@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from runtime.constraints import Constraint, ConstraintError
+from ..constraints import Constraint, ConstraintError
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),

@@ -11,8 +11,8 @@ import time
 import uuid
 from typing import Any
 
-from runtime.engine import CompletionOutput, RequestOutput
-from runtime.tokenizer import Tokenizer
+from ..engine import CompletionOutput, RequestOutput
+from ..tokenizer import Tokenizer
 
 
 def sse(data: dict[str, Any] | str) -> str:

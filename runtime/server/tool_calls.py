@@ -22,11 +22,11 @@ from typing import Any, Protocol, Sequence
 import jinja2
 import jinja2.meta
 
-from runtime.constraints import Constraint, ConstraintError
-from runtime.server.protocol import ChatCompletionRequest, SamplingFields
-from runtime.server.responses import ChatFormat
-from runtime.structured_output import JSON_OPTIONS
-from runtime.tokenizer import Tokenizer
+from ..constraints import Constraint, ConstraintError
+from .protocol import ChatCompletionRequest, SamplingFields
+from .responses import ChatFormat
+from ..structured_output import JSON_OPTIONS
+from ..tokenizer import Tokenizer
 
 TOOLS_SYSTEM_PROMPT = """# Tools
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifact.manifest import MANIFEST, ArtifactError, Manifest
-from exporter.export import WEIGHTS
+from pagedgraph.artifact.manifest import MANIFEST, ArtifactError, Manifest
+from pagedgraph.exporter.export import WEIGHTS
 from pagedgraph.cli import main
-from runtime.engine import LLM
+from pagedgraph.runtime.engine import LLM
 from tests.random_checkpoint import write_random_llama
 
 REDO = "re-export it with `pagedgraph export --config "  # + the artifact's own export_config.json and --out
@@ -95,8 +95,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 KILLER = """
 import io, json, os, pathlib, signal, sys
-import exporter.export as ex
-from exporter.config import ExportConfig
+import pagedgraph.exporter.export as ex
+from pagedgraph.exporter.config import ExportConfig
 
 point, config, out = sys.argv[1], json.loads(sys.argv[2]), pathlib.Path(sys.argv[3])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)

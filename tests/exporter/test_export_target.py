@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from artifact.manifest import MANIFEST, ArtifactError, Manifest
-from exporter.config import ExportConfig
-from exporter.export import ExportTargetError, export
+from pagedgraph.artifact.manifest import MANIFEST, ArtifactError, Manifest
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import ExportTargetError, export
 from pagedgraph.cli import main
 from tests.paths import REPO
 

@@ -7,9 +7,9 @@ import gguf
 import numpy as np
 import pytest
 
-from exporter.checkpoint.base import Checkpoint, CheckpointError
-from exporter.checkpoint.gguf_reader import default_model_path, read_gguf
-from graphs.config import SUPPORTED_ARCHITECTURES
+from pagedgraph.exporter.checkpoint.base import Checkpoint, CheckpointError
+from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf
+from pagedgraph.graphs.config import SUPPORTED_ARCHITECTURES
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
 

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
-from exporter.checkpoint import read_checkpoint
-from exporter.checkpoint.base import CheckpointError
-from exporter.checkpoint.hf_reader import read_hf_dir
-from graphs.config import RopeScaling
+from pagedgraph.exporter.checkpoint import read_checkpoint
+from pagedgraph.exporter.checkpoint.base import CheckpointError
+from pagedgraph.exporter.checkpoint.hf_reader import read_hf_dir
+from pagedgraph.graphs.config import RopeScaling
 from tests.tiny_models import BOS_ID, CHAT_TEMPLATE, EOS_ID, EOT_ID, TINY_DIMS, make_tiny_hf_checkpoint
 
 LLAMA3_ROPE = {
@@ -276,9 +276,9 @@ def test_read_checkpoint_reads_directory(checkpoint_dir: Callable[[str], Path]) 
 def test_read_checkpoint_dispatches_gguf_and_rejects_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    fake = types.ModuleType("exporter.checkpoint.gguf_reader")
+    fake = types.ModuleType("pagedgraph.exporter.checkpoint.gguf_reader")
     fake.read_gguf = lambda p, keep_blocks: ("gguf", p, keep_blocks)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "exporter.checkpoint.gguf_reader", fake)
+    monkeypatch.setitem(sys.modules, "pagedgraph.exporter.checkpoint.gguf_reader", fake)
     assert read_checkpoint(gguf) == ("gguf", gguf, False)
     assert read_checkpoint(gguf, keep_blocks=True) == ("gguf", gguf, True)
 

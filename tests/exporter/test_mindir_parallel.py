@@ -12,13 +12,13 @@ from tests.mindspore_support import require_mindspore
 
 require_mindspore()
 
-from artifact.manifest import Manifest  # noqa: E402
-from artifact.mindir import INDEX  # noqa: E402
-from exporter.config import MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS, ExportConfig  # noqa: E402
-from exporter.export import export  # noqa: E402
-from exporter.mindspore.export import default_workers  # noqa: E402
-from runtime.engine import LLM  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from pagedgraph.artifact.manifest import Manifest  # noqa: E402
+from pagedgraph.artifact.mindir import INDEX  # noqa: E402
+from pagedgraph.exporter.config import MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS, ExportConfig  # noqa: E402
+from pagedgraph.exporter.export import export  # noqa: E402
+from pagedgraph.exporter.mindspore.export import default_workers  # noqa: E402
+from pagedgraph.runtime.engine import LLM  # noqa: E402
+from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def test_mindir_exports_without_buckets_default_to_short_ladders(tmp_path: Path)
 
 
 def test_default_workers_is_bounded_by_cores_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import exporter.mindspore.export as mindir
+    import pagedgraph.exporter.mindspore.export as mindir
 
     monkeypatch.setattr(mindir, "_available_memory", lambda: 64 << 30)
     monkeypatch.setattr(mindir.os, "sched_getaffinity", lambda pid: set(range(16)))

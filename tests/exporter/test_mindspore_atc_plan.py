@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.atc import atc_commands
-from exporter.buckets import BucketError
+from pagedgraph.exporter.atc import atc_commands
+from pagedgraph.exporter.buckets import BucketError
 from pagedgraph.cli import main
 from tests.mindspore_support import export_artifact
 from tests.random_checkpoint import write_random_llama

@@ -12,19 +12,19 @@ from tests.mindspore_support import RecordingExecutor, export_artifact, require_
 
 require_mindspore()
 
-from artifact.manifest import ArtifactError, Manifest  # noqa: E402
-from artifact.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
-from exporter.checkpoint import read_checkpoint  # noqa: E402
-from exporter.mindspore.builder import MindSporeTarget  # noqa: E402
-from exporter.mindspore.readback import read_ops  # noqa: E402
-from graphs import contract as c  # noqa: E402
-from graphs import llama, ops  # noqa: E402
-from graphs.contract import Gear  # noqa: E402
-from graphs.reference import NumpyBuilder  # noqa: E402
-from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
-from runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
-from runtime.kv_pools import KVPools  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from pagedgraph.artifact.manifest import ArtifactError, Manifest  # noqa: E402
+from pagedgraph.artifact.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
+from pagedgraph.exporter.checkpoint import read_checkpoint  # noqa: E402
+from pagedgraph.exporter.mindspore.builder import MindSporeTarget  # noqa: E402
+from pagedgraph.exporter.mindspore.readback import read_ops  # noqa: E402
+from pagedgraph.graphs import contract as c  # noqa: E402
+from pagedgraph.graphs import llama, ops  # noqa: E402
+from pagedgraph.graphs.contract import Gear  # noqa: E402
+from pagedgraph.graphs.reference import NumpyBuilder  # noqa: E402
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedgraph.runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
+from pagedgraph.runtime.kv_pools import KVPools  # noqa: E402
+from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
 BLOCK = 16
@@ -209,7 +209,7 @@ def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) 
     import mindspore as ms
     from mindspore.ops.auto_generate.gen_ops_prim import str_to_enum  # MINDIR stores the layout as an enum
 
-    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from pagedgraph.exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
 
     attrs = ops.SELF_ATTENTION.attrs(head_num=4, kv_head_num=2, head_dim=16, qk_scale=0.25)
     rng = np.random.default_rng(0)
@@ -233,9 +233,9 @@ def test_w8a8_static_lowers_to_quant_batch_matmul_with_mindie_tensors(tmp_path: 
     import mindspore as ms
     from mindspore.train.mind_ir_pb2 import ModelProto, TensorProto
 
-    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
-    from graphs.ops.linear_w8a8_static import mindie_tensors
-    from graphs.quant import Int8PerChannel
+    from pagedgraph.exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from pagedgraph.graphs.ops.linear_w8a8_static import mindie_tensors
+    from pagedgraph.graphs.quant import Int8PerChannel
 
     rng = np.random.default_rng(0)
     w = Int8PerChannel.quantize(rng.standard_normal((24, 64)).astype(np.float32))

@@ -17,9 +17,9 @@ from tests.mindspore_support import RecordingExecutor, export_artifact, require_
 
 require_mindspore()
 
-from graphs.contract import Gear  # noqa: E402
-from runtime.engine import EngineConfig, LLMEngine  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from pagedgraph.graphs.contract import Gear  # noqa: E402
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.runtime.test_reference_e2e import _matches_reference  # noqa: E402
 from tests.paths import DATA  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_mindspore_executor_matches_onnxruntime_and_hf(artifact: Path) -> None:
 
 
 def test_bench_runs_on_the_mindspore_executor(artifact: Path) -> None:
-    from runtime.bench.suite import BenchOptions, run_bench
+    from pagedgraph.runtime.bench.suite import BenchOptions, run_bench
 
     results = run_bench(BenchOptions(str(artifact), requests=3, prompt_range=(8, 40), output_range=(2, 4),
                                      executor="mindspore", baseline=None, micro=False, threads=2))

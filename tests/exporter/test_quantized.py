@@ -13,16 +13,16 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from onnx import helper, numpy_helper
 
-from exporter.checkpoint.gguf_blocks import from_gguf
-from exporter.checkpoint.gguf_reader import read_gguf
-from exporter.config import ExportConfig
-from exporter.export import GRAPH, export
-from exporter.quantize import int4_groupwise, int8_per_channel
-from graphs import contract as c
-from graphs import quant
-from artifact.manifest import Manifest
-from graphs.quant import BlockQuantized, Int8PerChannel
-from artifact.settings import ConfigError, validate
+from pagedgraph.exporter.checkpoint.gguf_blocks import from_gguf
+from pagedgraph.exporter.checkpoint.gguf_reader import read_gguf
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import GRAPH, export
+from pagedgraph.exporter.quantize import int4_groupwise, int8_per_channel
+from pagedgraph.graphs import contract as c
+from pagedgraph.graphs import quant
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.graphs.quant import BlockQuantized, Int8PerChannel
+from pagedgraph.artifact.settings import ConfigError, validate
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -28,14 +28,14 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from exporter.lowerings import BEGIN, END, lowerings, registry_report, with_table
-from exporter.onnx.graph_builder import make_model, onnx_type, op_model
-from graphs import ops
-from graphs.config import ModelConfig
-from graphs.contract import INPUT_IDS
-from graphs.kv_cache import cache_format
-from graphs.ops import OPS
-from graphs.ops.op import Example, Op
+from pagedgraph.exporter.lowerings import BEGIN, END, lowerings, registry_report, with_table
+from pagedgraph.exporter.onnx.graph_builder import make_model, onnx_type, op_model
+from pagedgraph.graphs import ops
+from pagedgraph.graphs.config import ModelConfig
+from pagedgraph.graphs.contract import INPUT_IDS
+from pagedgraph.graphs.kv_cache import cache_format
+from pagedgraph.graphs.ops import OPS
+from pagedgraph.graphs.ops.op import Example, Op
 from tests.mindspore_support import require_mindspore
 from tests.paths import REPO
 
@@ -121,7 +121,7 @@ def _numpy(value: ort.OrtValue, dtype: str) -> np.ndarray:
 
 def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:
     """The baseline's body on the example in its cache layout; its outputs and the reference's, in that layout."""
-    from exporter.onnx.contiguous import CONTIGUOUS, ContiguousBuilder
+    from pagedgraph.exporter.onnx.contiguous import CONTIGUOUS, ContiguousBuilder
 
     attrs = op.attrs(**example.attrs)
     reference = op.run_reference(example.inputs, attrs)
@@ -166,9 +166,9 @@ def _contiguous(op: Op, example: Example) -> tuple[list[np.ndarray], tuple[np.nd
 def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
     import mindspore as ms
 
-    from exporter.mindspore.builder import MindSporeTarget
-    from exporter.mindspore.cpu_ops import MINDSPORE_CPU
-    from kernels.build import library_path
+    from pagedgraph.exporter.mindspore.builder import MindSporeTarget
+    from pagedgraph.exporter.mindspore.cpu_ops import MINDSPORE_CPU
+    from pagedgraph.kernels.build import library_path
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     cell = MINDSPORE_CPU.body(op)(op.attrs(**example.attrs), MindSporeTarget("cpu", library=library_path()))
@@ -183,9 +183,9 @@ def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
 def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     import mindspore as ms
 
-    from exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
-    from exporter.mindspore.builder import MindSporeTarget
-    from exporter.mindspore.readback import read_ops
+    from pagedgraph.exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from pagedgraph.exporter.mindspore.builder import MindSporeTarget
+    from pagedgraph.exporter.mindspore.readback import read_ops
 
     attrs = op.attrs(**example.attrs)
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -203,7 +203,7 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
 
 
 def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
-    from kernels.binding import KERNELS
+    from pagedgraph.kernels.binding import KERNELS
 
     out = KERNELS.body(op)([None if x is None else x.copy() for x in example.inputs], op.attrs(**example.attrs))
     return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -253,7 +253,7 @@ def test_every_op_has_examples_that_fit_its_declaration() -> None:
 def test_design_doc_table_is_current() -> None:
     doc = (REPO / "docs" / "design.md").read_text()
     assert BEGIN in doc and END in doc
-    assert with_table(doc) == doc, "the op table is stale: python -m exporter.lowerings --write docs/design.md"
+    assert with_table(doc) == doc, "the op table is stale: python -m pagedgraph.exporter.lowerings --write docs/design.md"
 
 
 def test_declarations_reject_wrong_attributes_and_shapes() -> None:
@@ -272,7 +272,7 @@ def test_declarations_reject_wrong_attributes_and_shapes() -> None:
 
 def test_registry_check_names_missing_bodies_and_refusals() -> None:
     """A lowering without a body for an op is reported; one that refuses an op on purpose shows why instead."""
-    from graphs.ops.op import Lowering, body_table, missing_bodies
+    from pagedgraph.graphs.ops.op import Lowering, body_table, missing_bodies
 
     partial = Lowering("new-target", "exporter/new_target.py", {op: object() for op in OPS if op is not ops.ROPE})
     assert missing_bodies(OPS, [partial]) == {"new-target": ["Rope"]}

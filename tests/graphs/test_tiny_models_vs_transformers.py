@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.config import ExportConfig
-from exporter.export import export
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.sampling_params import SamplingParams
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import export
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_hf_checkpoint
 
 torch = pytest.importorskip("torch")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import binding
-from kernels.build import KernelBuildError
+from pagedgraph.kernels import binding
+from pagedgraph.kernels.build import KernelBuildError
 
 pytestmark = pytest.mark.usefixtures("kernel_library")  # fails in CI, skips elsewhere without a compiler
 
@@ -36,7 +36,7 @@ def test_out_of_pool_indices_are_errors_not_writes() -> None:
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from kernels import build, cache
+    from pagedgraph.kernels import build, cache
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))  # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)

@@ -18,16 +18,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from graphs import contract as c
-from graphs import ops
-from graphs.ops.examples import packed_step
-from exporter.onnx.graph_builder import op_model
-from graphs.ops.op import Op
-from kernels import ort_headers
-from kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.executor_ort import register_custom_ops
-from runtime.sampling_params import SamplingParams
+from pagedgraph.graphs import contract as c
+from pagedgraph.graphs import ops
+from pagedgraph.graphs.ops.examples import packed_step
+from pagedgraph.exporter.onnx.graph_builder import op_model
+from pagedgraph.graphs.ops.op import Op
+from pagedgraph.kernels import ort_headers
+from pagedgraph.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.executor_ort import register_custom_ops
+from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
@@ -156,7 +156,7 @@ def test_register_modes(library: Path, monkeypatch: pytest.MonkeyPatch, tmp_path
         register_custom_ops(ort.SessionOptions(), "on")
     with caplog.at_level(logging.WARNING):
         assert not register_custom_ops(ort.SessionOptions(), "auto")
-    assert "python -m kernels.ort_headers" in caplog.text
+    assert "python -m pagedgraph.kernels.ort_headers" in caplog.text
     with pytest.raises(ValueError, match="custom_ops"):
         register_custom_ops(ort.SessionOptions(), "yes")  # type: ignore[arg-type]
 

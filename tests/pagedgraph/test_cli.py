@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagedgraph.cli import main
-from runtime.bench.suite import BenchOptions
-from runtime.engine import LLM, LLMEngine
+from pagedgraph.runtime.bench.suite import BenchOptions
+from pagedgraph.runtime.engine import LLM, LLMEngine
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -79,7 +79,7 @@ def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, monk
             super().__init__(artifact, **config)
             engines.append(self.engine)
 
-    monkeypatch.setattr("runtime.engine.LLM", Recorded)
+    monkeypatch.setattr("pagedgraph.runtime.engine.LLM", Recorded)
     assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
                  "--custom-ops", mode]) == 0
     assert engines[0].executor.custom_ops is (mode == "on")
@@ -96,7 +96,7 @@ def test_bench_custom_ops_flag_reaches_the_options(monkeypatch: pytest.MonkeyPat
         seen.append(options)
         raise Ran
 
-    monkeypatch.setattr("runtime.bench.suite.run_bench", run_bench)
+    monkeypatch.setattr("pagedgraph.runtime.bench.suite.run_bench", run_bench)
     with pytest.raises(Ran):
         main(["bench", "--artifact", "unused", "--custom-ops", "off"])
     assert seen[0].custom_ops == "off"

@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from artifact.manifest import MANIFEST, Manifest
+from pagedgraph.artifact.manifest import MANIFEST, Manifest
 from pagedgraph.cli import main
 
 
@@ -83,7 +83,7 @@ def served() -> Iterator[list[Served]]:
 
 
 def test_serve_model_on_the_bundled_gguf(tmp_path: Path, served: list[Served]) -> None:
-    from exporter.checkpoint.gguf_reader import default_model_path
+    from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
 
     gguf = default_model_path()
     start = time.monotonic()

@@ -35,7 +35,7 @@ def test_wheel_carries_the_kernel_sources(wheel: Path) -> None:
     """The C++ kernels are compiled on first use from the installed package, so every source must ship."""
     shipped = set(zipfile.ZipFile(wheel).namelist())
     kernels = REPO / "kernels"
-    sources = {f"kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
+    sources = {f"pagedgraph/kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
     assert sources, "no kernel sources found"
     assert not sources - shipped, f"missing from the wheel: {sorted(sources - shipped)}"
     texts = {"pagedgraph/data/calibration.txt", "pagedgraph/data/heldout.txt"}  # calibration, `pagedgraph eval`
@@ -63,7 +63,7 @@ def test_a_base_install_has_every_distribution_pagedgraph_serve_imports(wheel: P
             todo.extend(_name(r) for r in requires(name) or [] if "extra ==" not in r)
         except PackageNotFoundError:
             pass
-    code = ("import json, sys; import pagedgraph.cli, runtime.server.launch, runtime.server.app, exporter.export; "
+    code = ("import json, sys; import pagedgraph.cli, pagedgraph.runtime.server.launch, pagedgraph.runtime.server.app, pagedgraph.exporter.export; "
             "print(json.dumps(sorted(getattr(m, '__file__', None) or '' for m in sys.modules.values())))")
     files = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True,
                                       text=True).stdout)

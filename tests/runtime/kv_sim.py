@@ -6,10 +6,10 @@ copy-on-write and preemption all get this wrong loudly).
 """
 from __future__ import annotations
 
-from graphs.contract import NULL_BLOCK
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from pagedgraph.graphs.contract import NULL_BLOCK
+from pagedgraph.runtime.kv_cache_manager import KVCacheManager
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.sequence import Sequence
 
 
 def make_seq(tokens: list[int], name: str = "r", arrival: float = 0.0) -> Sequence:

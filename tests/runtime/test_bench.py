@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifact.manifest import ArtifactError
-from runtime.bench import workloads
-from runtime.bench.naive import NAIVE_GRAPH, NaiveRunner
-from runtime.bench.report import markdown_table, text_table
-from runtime.bench.runner import run_engine
-from runtime.bench.suite import BenchOptions, run_bench
-from runtime.engine import LLMEngine
+from pagedgraph.artifact.manifest import ArtifactError
+from pagedgraph.runtime.bench import workloads
+from pagedgraph.runtime.bench.naive import NAIVE_GRAPH, NaiveRunner
+from pagedgraph.runtime.bench.report import markdown_table, text_table
+from pagedgraph.runtime.bench.runner import run_engine
+from pagedgraph.runtime.bench.suite import BenchOptions, run_bench
+from pagedgraph.runtime.engine import LLMEngine
 
 REQUIRED = {"throughput_tok_s", "naive_throughput_tok_s", "speedup_vs_naive", "kv_utilization", "padding_waste",
             "host_overhead_share", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes",

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from artifact.manifest import Family, Manifest
-from artifact.settings import ConfigError
-from graphs.config import ModelConfig
-from graphs.contract import DECODE, PREFILL, Gear
+from pagedgraph.artifact.manifest import Family, Manifest
+from pagedgraph.artifact.settings import ConfigError
+from pagedgraph.graphs.config import ModelConfig
+from pagedgraph.graphs.contract import DECODE, PREFILL, Gear
 from pagedgraph.cli import main
-from runtime.deploy_config import Deployment, engine_config, load_deployment
-from runtime.engine import EngineConfig
+from pagedgraph.runtime.deploy_config import Deployment, engine_config, load_deployment
+from pagedgraph.runtime.engine import EngineConfig
 from tests.paths import REPO
 
 MODEL = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -132,6 +132,6 @@ def test_serve_custom_ops_flag_overrides_the_yaml(tmp_path: Path, monkeypatch: p
     (tmp_path / "art" / "manifest.json").write_text("{}")  # serve only checks it exists before launching
     path = _write(tmp_path, "model: {artifact: art}\nexecutor: {custom_ops: auto}\n")
     launched: list[Deployment] = []
-    monkeypatch.setattr("runtime.server.launch.serve", lambda deployment, source: launched.append(deployment))
+    monkeypatch.setattr("pagedgraph.runtime.server.launch.serve", lambda deployment, source: launched.append(deployment))
     assert main(["serve", "--config", str(path), "--custom-ops", "off"]) == 0
     assert launched[0].executor.custom_ops == "off"

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifact.manifest import Manifest
-from exporter.config import ExportConfig
-from exporter.export import export
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import export
 from pagedgraph.cli import main
-from runtime.deploy_config import Deployment
-from runtime.engine import LLM
-from runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from runtime.server.launch import build_app
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.engine import LLM
+from pagedgraph.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from pagedgraph.runtime.server.launch import build_app
 from tests.paths import REPO
 
 MAX_MODEL_LEN = 128
@@ -68,7 +68,7 @@ def test_the_server_uses_the_artifacts_defaults_unless_the_deployment_sets_them(
 
 
 def test_the_bundled_models_deployment_ships_its_generation_config() -> None:
-    from runtime.deploy_config import load_deployment
+    from pagedgraph.runtime.deploy_config import load_deployment
 
     sampling = load_deployment(REPO / "configs" / "deploy-smollm2.yaml").sampling
     assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (0.2, 0.9, DEFAULT_MAX_TOKENS)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.contract import NULL_BLOCK
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.sampling_params import SamplingParams
+from pagedgraph.graphs.contract import NULL_BLOCK
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
 
 
 def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:

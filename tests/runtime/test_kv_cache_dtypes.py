@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from exporter.onnx.graph_builder import op_model
-from graphs import ops
-from graphs.kv_cache import KV_CACHE_DTYPES, cache_format, dequantize, int8_params, quantize
+from pagedgraph.exporter.onnx.graph_builder import op_model
+from pagedgraph.graphs import ops
+from pagedgraph.graphs.kv_cache import KV_CACHE_DTYPES, cache_format, dequantize, int8_params, quantize
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def kv_artifact(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Llama exported with every KV-cache dtype (and their naive baselines)."""
     import io
 
-    from exporter.config import ExportConfig
-    from exporter.export import export
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
     from tests.random_checkpoint import write_random_llama
 
     root = tmp_path_factory.mktemp("kv")
@@ -93,7 +93,7 @@ def kv_artifact(tmp_path_factory: pytest.TempPathFactory):
 def test_export_writes_one_graph_per_cache_dtype_sharing_the_weights(kv_artifact) -> None:
     import onnx
 
-    from artifact.manifest import Manifest
+    from pagedgraph.artifact.manifest import Manifest
 
     artifact, _ = kv_artifact
     manifest = Manifest.load(artifact)
@@ -123,9 +123,9 @@ def test_int8_scales_cover_the_calibrated_ranges(kv_artifact) -> None:
     from onnx import numpy_helper
     from tokenizers import Tokenizer
 
-    from artifact.manifest import Manifest
-    from exporter.kv_calibration import window_feed
-    from graphs import contract as c
+    from pagedgraph.artifact.manifest import Manifest
+    from pagedgraph.exporter.kv_calibration import window_feed
+    from pagedgraph.graphs import contract as c
 
     artifact, text = kv_artifact
     manifest = Manifest.load(artifact)
@@ -153,8 +153,8 @@ def test_int8_scales_cover_the_calibrated_ranges(kv_artifact) -> None:
                                           (["float32", "int8", "int8"], "list each dtype once"),
                                           (["float32", "fp8"], "kv_cache_dtypes")])
 def test_export_config_refuses_bad_cache_dtype_lists(dtypes: list[str], error: str) -> None:
-    from artifact.settings import ConfigError, validate
-    from exporter.config import ExportConfig
+    from pagedgraph.artifact.settings import ConfigError, validate
+    from pagedgraph.exporter.config import ExportConfig
 
     with pytest.raises(ConfigError, match=error):
         validate(ExportConfig, {"export": {"kv_cache_dtypes": dtypes}}, "export.yaml")
@@ -171,8 +171,8 @@ GREEDY_KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _generate(artifact, dtype: str, prompts: list[list[int]], n: int = 1, **config):
-    from runtime.engine import LLM
-    from runtime.sampling_params import SamplingParams
+    from pagedgraph.runtime.engine import LLM
+    from pagedgraph.runtime.sampling_params import SamplingParams
 
     llm = LLM(artifact, threads=2, kv_cache_dtype=dtype, **config)
     outputs = llm.generate(prompts, SamplingParams(n=n, **GREEDY_KW))
@@ -184,15 +184,15 @@ def _generate(artifact, dtype: str, prompts: list[list[int]], n: int = 1, **conf
 def test_prefix_hits_forks_and_preemption_give_the_cold_tokens(kv_artifact, dtype: str) -> None:
     """On a quantized (or 16-bit) cache, a prefix hit, copy-on-write forks and preemption recompute change nothing."""
     artifact, _ = kv_artifact
-    from artifact.manifest import Manifest
+    from pagedgraph.artifact.manifest import Manifest
 
     prompts = _prompts(Manifest.load(artifact).model.vocab_size)
     cold, engine = _generate(artifact, dtype, prompts, enable_prefix_caching=False, num_blocks=64)
     assert engine.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
     want = [o.token_ids for o in cold]
 
-    from runtime.engine import LLM
-    from runtime.sampling_params import SamplingParams
+    from pagedgraph.runtime.engine import LLM
+    from pagedgraph.runtime.sampling_params import SamplingParams
 
     warm = LLM(artifact, threads=2, kv_cache_dtype=dtype, num_blocks=64)
     assert warm.generate(prompts[:1], SamplingParams(**GREEDY_KW))[0].token_ids == want[0]
@@ -210,7 +210,7 @@ def test_prefix_hits_forks_and_preemption_give_the_cold_tokens(kv_artifact, dtyp
 
 def test_pool_sizing_follows_the_cache_dtype(kv_artifact) -> None:
     """One kv_cache_bytes budget: 4x the float32 blocks in int8, 2x in 16-bit; the block hash covers the dtype."""
-    from runtime.engine import EngineConfig, LLMEngine
+    from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 
     artifact, _ = kv_artifact
     budget = 1 << 22
@@ -228,10 +228,10 @@ def test_pool_sizing_follows_the_cache_dtype(kv_artifact) -> None:
 
 
 def test_cache_dtype_errors_name_the_fix(kv_artifact, tiny_artifact) -> None:
-    from artifact.manifest import ArtifactError, Manifest
-    from artifact.settings import ConfigError
-    from runtime.deploy_config import Deployment, engine_config
-    from runtime.engine import EngineConfig, LLMEngine
+    from pagedgraph.artifact.manifest import ArtifactError, Manifest
+    from pagedgraph.artifact.settings import ConfigError
+    from pagedgraph.runtime.deploy_config import Deployment, engine_config
+    from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 
     with pytest.raises(ArtifactError, match=r"kv_cache.dtype = 'int8'.*\['float32'\].*export.kv_cache_dtypes"):
         LLMEngine(tiny_artifact, EngineConfig(kv_cache_dtype="int8"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphs.config import ModelConfig
-from artifact.manifest import ArtifactError, Manifest
-from runtime.kv_pools import KVPools, bytes_per_block
+from pagedgraph.graphs.config import ModelConfig
+from pagedgraph.artifact.manifest import ArtifactError, Manifest
+from pagedgraph.runtime.kv_pools import KVPools, bytes_per_block
 
 MODEL = ModelConfig("llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,

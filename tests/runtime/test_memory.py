@@ -9,7 +9,7 @@ from tests.paths import REPO
 
 PROBE = """
 import os, sys
-from runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
@@ -35,8 +35,8 @@ def test_weights_resident_once(smollm2_artifact: Path) -> None:
 
 PREFILL_PROBE = """
 import sys
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.paths import REPO
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
 for pool in engine.executor.pools.values():

@@ -10,9 +10,9 @@ import pytest
 
 from pagedgraph.cli import main
 from pagedgraph.texts import shipped_text
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.perplexity import Window, evaluate_text, plan_windows
-from runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.perplexity import Window, evaluate_text, plan_windows
+from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
 from tests.runtime.test_kv_cache_dtypes import kv_artifact  # noqa: F401 (the fixture)
 

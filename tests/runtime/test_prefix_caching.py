@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from pagedgraph.cli import main
-from runtime.engine import LLM, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.workloads import shared_prefix_workload
+from pagedgraph.runtime.engine import LLM, RequestOutput
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.workloads import shared_prefix_workload
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

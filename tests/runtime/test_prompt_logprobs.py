@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.engine import LLMEngine, EngineConfig
-from runtime.sampling_params import RequestError, SamplingParams
+from pagedgraph.runtime.engine import LLMEngine, EngineConfig
+from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 200, 37)]

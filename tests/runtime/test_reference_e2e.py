@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.paths import DATA
 
 NEAR_TIE = 1e-3

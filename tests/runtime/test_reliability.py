@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from artifact.settings import ConfigError
-from graphs.contract import INPUT_IDS
-from runtime.deploy_config import engine_config, load_deployment
-from runtime.engine import EngineConfig, LLMEngine, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.server import app as server_app
+from pagedgraph.artifact.settings import ConfigError
+from pagedgraph.graphs.contract import INPUT_IDS
+from pagedgraph.runtime.deploy_config import engine_config, load_deployment
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.server import app as server_app
 from tests.runtime.kv_sim import check_invariants
 from tests.runtime.test_deploy_config import _manifest
 

@@ -13,10 +13,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from runtime.logits_processors import Penalties
-from runtime.sampler import Sampler, sample_row
-from runtime.sampling_params import RequestError, SamplingParams
-from runtime.sequence import Sequence
+from pagedgraph.runtime.logits_processors import Penalties
+from pagedgraph.runtime.sampler import Sampler, sample_row
+from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
+from pagedgraph.runtime.sequence import Sequence
 
 VOCAB = 1000
 EOS = 7
@@ -158,7 +158,7 @@ REPETITIVE = "one two three one two three one two three one two"
 
 @pytest.fixture(scope="module")
 def engine(smollm2_artifact):  # type: ignore[no-untyped-def]
-    from runtime.engine import EngineConfig, LLMEngine
+    from pagedgraph.runtime.engine import EngineConfig, LLMEngine
     from tests.mindspore_support import RecordingExecutor
 
     engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, threads=2))

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.scheduler import ScheduledBatch, Scheduler
-from runtime.sequence import Sequence, SequenceStatus
+from pagedgraph.runtime.kv_cache_manager import KVCacheManager
+from pagedgraph.runtime.scheduler import ScheduledBatch, Scheduler
+from pagedgraph.runtime.sequence import Sequence, SequenceStatus
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
 BS = 4

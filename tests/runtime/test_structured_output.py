@@ -15,12 +15,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from runtime.constraints import Constraint
-from runtime.engine import LLM, RequestOutput
-from runtime.sampling_params import RequestError, SamplingParams
-from runtime.structured_output import GrammarCompiler, StructuredOutputs
-from runtime.sequence import Sequence
-from runtime.tokenizer import Tokenizer
+from pagedgraph.runtime.constraints import Constraint
+from pagedgraph.runtime.engine import LLM, RequestOutput
+from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
+from pagedgraph.runtime.structured_output import GrammarCompiler, StructuredOutputs
+from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.tokenizer import Tokenizer
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},

@@ -17,10 +17,10 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from exporter.checkpoint.base import TokenizerSpec
-from exporter.checkpoint.gguf_reader import default_model_path, read_gguf
-from exporter.tokenizer_files import write_tokenizer
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedgraph.exporter.checkpoint.base import TokenizerSpec
+from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf
+from pagedgraph.exporter.tokenizer_files import write_tokenizer
+from pagedgraph.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.paths import DATA, REPO
 
 TOKENIZER_CASES: list[dict[str, Any]] = json.loads((DATA / "tokenizer_reference.json").read_text(encoding="utf-8"))
@@ -157,5 +157,5 @@ def test_from_dir_names_the_missing_file(tmp_path: Path) -> None:
 
 
 def test_runtime_tokenizer_does_not_import_exporter() -> None:
-    code = "import sys, runtime.tokenizer; sys.exit(any(m.startswith('exporter') for m in sys.modules))"
+    code = "import sys, pagedgraph.runtime.tokenizer; sys.exit(any(m.startswith('pagedgraph.exporter') for m in sys.modules))"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.deploy_config import Deployment
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
-from runtime.server.launch import build_app
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.kv_cache_manager import KVCacheManager
+from pagedgraph.runtime.scheduler import Scheduler
+from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.server.launch import build_app
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 from tests.runtime.server.test_server import ServerThread, _wait_for
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import LLM
+from pagedgraph.runtime.engine import LLM
 from tests.runtime.server.test_server_sampling import KEY, MODEL, _params, _post, llm, server  # noqa: F401 (fixtures)
 from tests.runtime.server.test_server import ServerThread
 

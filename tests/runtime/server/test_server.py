@@ -20,11 +20,11 @@ import openai
 import pytest
 import uvicorn
 
-from artifact.manifest import Manifest
-from runtime.deploy_config import Deployment
-from runtime.engine import LLM, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.server.launch import build_app
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.engine import LLM, RequestOutput
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.server.launch import build_app
 
 KEY = "test-key"
 MODEL = "smol"

@@ -13,10 +13,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.deploy_config import Deployment
-from runtime.engine import LLM
-from runtime.sampling_params import SamplingParams
-from runtime.server.launch import build_app
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.engine import LLM
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.server.launch import build_app
 from tests.runtime.server.test_server import ServerThread
 
 KEY = "sampling-key"

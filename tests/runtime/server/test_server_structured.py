@@ -16,8 +16,8 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.deploy_config import Deployment
-from runtime.server.launch import build_app
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.server.launch import build_app
 from tests.runtime.server.test_server import ServerThread
 
 KEY = "test-key"
@@ -255,8 +255,8 @@ TOOLS_TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m
 
 
 def _tool_request(tool_choice: Any) -> Any:
-    from runtime.server.protocol import ChatCompletionRequest
-    from runtime.server.tool_calls import HermesParser, ToolRequest
+    from pagedgraph.runtime.server.protocol import ChatCompletionRequest
+    from pagedgraph.runtime.server.tool_calls import HermesParser, ToolRequest
 
     body = ChatCompletionRequest.model_validate({"messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": tool_choice})
     return ToolRequest([t.model_dump(exclude_none=True) for t in body.tools or ()], body.tool_choice, True,
@@ -264,7 +264,7 @@ def _tool_request(tool_choice: Any) -> Any:
 
 
 def test_tools_reach_a_template_that_reads_them_and_the_system_prompt_otherwise() -> None:
-    from runtime.server.tool_calls import template_takes_tools
+    from pagedgraph.runtime.server.tool_calls import template_takes_tools
 
     assert template_takes_tools(TOOLS_TEMPLATE) and not template_takes_tools("{{ messages[0].content }}")
     history = [*ASK_WEATHER, {"role": "assistant", "content": "", "tool_calls": [
@@ -298,7 +298,7 @@ def test_tools_reach_a_template_that_reads_them_and_the_system_prompt_otherwise(
 ])
 def test_the_call_splitter_gives_the_same_answer_in_any_pieces(text: str, content: str,
                                                               calls: list[tuple[str, str]]) -> None:
-    from runtime.server.tool_calls import CallSplitter, HermesParser
+    from pagedgraph.runtime.server.tool_calls import CallSplitter, HermesParser
 
     for size in (len(text), 1, 2, 3, 7):
         splitter, got, parsed = CallSplitter(HermesParser()), "", []
