@@ -19,15 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedgraph.runtime.deploy_config import Deployment
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.scheduler import Scheduler
 from pagedgraph.runtime.sequence import Sequence
-from pagedgraph.runtime.server.launch import build_app
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
-from tests.runtime.server.test_server import ServerThread, _wait_for
+from tests.runtime.server.serving import MODEL, ServerThread, serve
+from tests.runtime.server.test_server import _wait_for
 
-MODEL = "smol"
 MAX_MODEL_LEN = 256
 MAX_BODY = 1 << 20
 VOCAB = 49152
@@ -36,17 +34,12 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path) -> Iterator[ServerThread]:
-    deployment = Deployment.model_validate({
-        "model": {"artifact": str(smollm2_artifact), "name": MODEL},
-        "kv_cache": {"num_blocks": 128},
-        "scheduler": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
-        "sampling": {"max_tokens": 2},
-        "server": {"max_body_bytes": MAX_BODY},
-        "executor": {"threads": 2},
-    })
-    thread = ServerThread(build_app(deployment, "test"))
-    yield thread
-    thread.stop()
+    with serve(smollm2_artifact,
+               kv_cache={"num_blocks": 128},
+               scheduler={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
+               sampling={"max_tokens": 2},
+               server={"max_body_bytes": MAX_BODY}) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")

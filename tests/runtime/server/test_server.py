@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,54 +16,26 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from pagedgraph.artifact.manifest import Manifest
-from pagedgraph.runtime.deploy_config import Deployment
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.server.launch import build_app
+from tests.runtime.server.serving import MODEL, ServerThread, serve
 
 KEY = "test-key"
-MODEL = "smol"
 MAX_CONCURRENT = 32
 PROMPTS = [f"Write one short sentence about the number {i}." for i in range(MAX_CONCURRENT)]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 
 
-class ServerThread:
-    """uvicorn in a background thread on a free loopback port."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path) -> Iterator[ServerThread]:
-    deployment = Deployment.model_validate({
-        "model": {"artifact": str(smollm2_artifact), "name": MODEL},
-        "kv_cache": {"num_blocks": 256},
-        "scheduler": {"max_model_len": 512},
-        "sampling": {"max_tokens": 16},
-        "server": {"api_key": KEY, "max_concurrent_requests": MAX_CONCURRENT},
-        "executor": {"threads": 2},
-    })
-    thread = ServerThread(build_app(deployment, "test"))
-    yield thread
-    thread.stop()
+    with serve(smollm2_artifact,
+               kv_cache={"num_blocks": 256},
+               scheduler={"max_model_len": 512},
+               sampling={"max_tokens": 16},
+               server={"api_key": KEY, "max_concurrent_requests": MAX_CONCURRENT}) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")

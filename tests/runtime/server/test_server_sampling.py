@@ -13,14 +13,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedgraph.runtime.deploy_config import Deployment
 from pagedgraph.runtime.engine import LLM
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.server.launch import build_app
-from tests.runtime.server.test_server import ServerThread
+from tests.runtime.server.serving import MODEL, ServerThread, serve
 
 KEY = "sampling-key"
-MODEL = "smol"
 PROMPT = "one two three one two three one two three one two"
 PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"1167": 8}}
 VLLM_EXTRAS = {"repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 3}
@@ -28,13 +25,12 @@ VLLM_EXTRAS = {"repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 3}
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path) -> Iterator[ServerThread]:
-    deployment = Deployment.model_validate({
-        "model": {"artifact": str(smollm2_artifact), "name": MODEL}, "kv_cache": {"num_blocks": 256},
-        "scheduler": {"max_model_len": 512}, "sampling": {"max_tokens": 16},
-        "server": {"api_key": KEY}, "executor": {"threads": 2}})
-    thread = ServerThread(build_app(deployment, "test"))
-    yield thread
-    thread.stop()
+    with serve(smollm2_artifact,
+               kv_cache={"num_blocks": 256},
+               scheduler={"max_model_len": 512},
+               sampling={"max_tokens": 16},
+               server={"api_key": KEY}) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")

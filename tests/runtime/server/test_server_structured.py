@@ -16,12 +16,9 @@ import jsonschema
 import openai
 import pytest
 
-from pagedgraph.runtime.deploy_config import Deployment
-from pagedgraph.runtime.server.launch import build_app
-from tests.runtime.server.test_server import ServerThread
+from tests.runtime.server.serving import MODEL, ServerThread, serve
 
 KEY = "test-key"
-MODEL = "smol"
 MAX_TOKENS = 120
 ENUMS = [["red", "green", "blue"], ["low", "medium", "high"], ["cat", "dog"], ["yes", "no", "maybe"],
          ["north", "south", "east", "west"]]
@@ -72,16 +69,11 @@ def json_schema_format(i: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path) -> Iterator[ServerThread]:
-    deployment = Deployment.model_validate({
-        "model": {"artifact": str(smollm2_artifact), "name": MODEL},
-        "kv_cache": {"num_blocks": 512},
-        "scheduler": {"max_model_len": 512},
-        "server": {"api_key": KEY, "max_concurrent_requests": 32},
-        "executor": {"threads": 2},
-    })
-    thread = ServerThread(build_app(deployment, "test"))
-    yield thread
-    thread.stop()
+    with serve(smollm2_artifact,
+               kv_cache={"num_blocks": 512},
+               scheduler={"max_model_len": 512},
+               server={"api_key": KEY, "max_concurrent_requests": 32}) as thread:
+        yield thread
 
 
 @pytest.fixture

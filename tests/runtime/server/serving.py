@@ -1,0 +1,48 @@
+"""The real server in a background thread, for the server test modules (one server per module)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import uvicorn
+
+from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.server.launch import build_app
+
+MODEL = "smol"
+
+
+class ServerThread:
+    """uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@contextmanager
+def serve(artifact: Path, **sections: dict[str, Any]) -> Iterator[ServerThread]:
+    """Serve `artifact` as MODEL on 2 threads; `sections` are the deployment YAML's other sections."""
+    deployment = Deployment.model_validate({"model": {"artifact": str(artifact), "name": MODEL},
+                                            "executor": {"threads": 2}, **sections})
+    thread = ServerThread(build_app(deployment, "test"))
+    try:
+        yield thread
+    finally:
+        thread.stop()
