@@ -10,7 +10,7 @@ fed from one in-memory copy shared by every gear.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ ALIGN = 64
 class WeightEntry:
     offset: int
     shape: tuple[int, ...]
+    dtype: str | None = None  # None: the index's dtype (int8 KV-cache parameters have their own)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class MindirIndex:
     weights: dict[str, WeightEntry]  # in WEIGHTS; cpu graphs take them as trailing inputs in this order
     pool_shape: tuple[int, ...]  # one pool as exported; dimension 0 (slots or blocks) is bound at load
     graphs: dict[str, dict[str, str]]  # family -> gear_key(gear) -> graph file, relative to the artifact
+    # KV-cache dtype -> graphs like `graphs` whose pools hold it (Ascend int8); `graphs` hold the `dtype` cache.
+    kv_cache_graphs: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -52,21 +55,38 @@ class MindirIndex:
                                 f"`pagedgraph export --config <export.yaml> --format onnx,mindir --target cpu`")
         data = json.loads(path.read_text())
         return cls(target=data["target"], dtype=data["dtype"], inputs=tuple(data["inputs"]),
-                   weights={k: WeightEntry(v["offset"], tuple(v["shape"])) for k, v in data["weights"].items()},
-                   pool_shape=tuple(data["pool_shape"]), graphs=data["graphs"])
+                   weights={k: WeightEntry(v["offset"], tuple(v["shape"]), v.get("dtype"))
+                            for k, v in data["weights"].items()},
+                   pool_shape=tuple(data["pool_shape"]), graphs=data["graphs"],
+                   kv_cache_graphs=data.get("kv_cache_graphs", {}))
 
-    def graph(self, family: str, gear: Gear) -> str:
+    def graph(self, family: str, gear: Gear, kv_cache_dtype: str | None = None) -> str:
+        """The graph of `family` and `gear` whose pools hold `kv_cache_dtype` (None: the index's dtype)."""
+        if kv_cache_dtype in (None, self.dtype):
+            graphs = self.graphs
+        elif kv_cache_dtype in self.kv_cache_graphs:
+            graphs = self.kv_cache_graphs[kv_cache_dtype]
+        else:
+            raise ArtifactError(f"no MINDIR graphs for a {kv_cache_dtype} KV cache; the MINDIR holds "
+                                f"{[self.dtype, *self.kv_cache_graphs]} caches")
         try:
-            return self.graphs[family][gear_key(gear)]
+            return graphs[family][gear_key(gear)]
         except KeyError:
             raise ArtifactError(f"no MINDIR graph for {family} gear {gear_key(gear)}; the artifact's MINDIR gears "
-                                f"are {sorted(self.graphs.get(family, {}))}") from None
+                                f"are {sorted(graphs.get(family, {}))}") from None
 
     def read_weights(self, artifact: Path) -> dict[str, np.ndarray]:
         """Every weight as a read-only view of one memory map of the weights file."""
         data = np.memmap(Path(artifact) / WEIGHTS, dtype=np.uint8, mode="r")
-        dtype = np.dtype(self.dtype)
-        return {name: np.ndarray(e.shape, dtype, data, e.offset) for name, e in self.weights.items()}
+        return {name: np.ndarray(e.shape, numpy_dtype(e.dtype or self.dtype), data, e.offset)
+                for name, e in self.weights.items()}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A weight dtype by its name, bfloat16 included (ml_dtypes)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def gear_key(gear: Gear) -> str:
@@ -79,7 +99,7 @@ def write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, Weigh
     with open(path, "wb") as f:
         f.write((1).to_bytes(1, "little") + bytes(HEADER_BYTES - 1))
         for name, array in weights.items():
-            entries[name] = WeightEntry(f.tell(), tuple(array.shape))
+            entries[name] = WeightEntry(f.tell(), tuple(array.shape), array.dtype.name)
             f.write(np.ascontiguousarray(array).tobytes())
             f.write(bytes(-f.tell() % ALIGN))
     return entries

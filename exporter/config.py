@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..artifact.settings import Settings
-from ..graphs.kv_cache import KVCacheDType
+from ..graphs.kv_cache import KV_CACHE_DTYPES, KVCacheDType
 
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
@@ -66,7 +66,8 @@ class ExportOptions(Settings):
     formats: list[Literal["onnx", "mindir"]] = Field(
         ["onnx"], min_length=1, description="graph formats to write: onnx (ONNX Runtime, ATC) and/or mindir (MindSpore)")
     target: Literal["cpu", "ascend"] = Field(
-        "cpu", description="MINDIR target: cpu (pagedgraph's C++ kernels, runs here) or ascend (ATB primitives, float16)")
+        "cpu", description="MINDIR target: cpu (pagedgraph's C++ kernels, runs here) or ascend (ATB primitives, "
+                           "float16 or bfloat16: model.dtype, float16 for float32)")
     block_size: int = Field(16, ge=16, multiple_of=16, description="Ascend: a multiple of 16")
     max_model_len: int = Field(2048, ge=16)
     buckets: BucketLadders = BucketLadders()
@@ -82,7 +83,8 @@ class ExportOptions(Settings):
                        "reproduces HF fp32 on the dequantized weights; 8-bit blocks then run ~5x slower than fp32)")
     kv_cache_dtypes: list[KVCacheDType] = Field(
         ["float32"], min_length=1, description="KV-cache dtypes the artifact can serve (deployment kv_cache.dtype): one "
-                                               "ONNX graph each, sharing the weights; must include model.dtype")
+                                               "graph set each, sharing the weights; must include model.dtype "
+                                               "(the default when left out)")
     kv_cache_calibration: str | None = Field(
         None, description="text file the int8 cache scales are calibrated on (default: the calibration text "
                           "shipped with pagedgraph)")
@@ -99,12 +101,24 @@ class ExportConfig(Settings):
     model: ModelSource = ModelSource()
     export: ExportOptions = ExportOptions()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cache_follows_dtype(cls, data: object) -> object:
+        """export.kv_cache_dtypes left out: [model.dtype] (kv_cache.dtype auto serves the compute dtype)."""
+        if not isinstance(data, dict):
+            return data
+        model, options = data.get("model") or {}, data.get("export") or {}
+        if isinstance(model, dict) and isinstance(options, dict) and "kv_cache_dtypes" not in options:
+            return {**data, "export": {**options, "kv_cache_dtypes": [model.get("dtype", "float32")]}}
+        return data
+
     @model_validator(mode="after")
     def _precision_fits_targets(self) -> "ExportConfig":
         model, options = self.model, self.export
-        if model.dtype != "float32":
-            where = ("the MINDIR ascend target computes in float16 already and the ONNX graphs in float32"
-                     if options.target == "ascend" else
+        ascend_mindir = options.target == "ascend" and options.formats == ["mindir"]
+        if model.dtype != "float32" and not ascend_mindir:
+            where = ("the ONNX graphs compute in float32; the Ascend MINDIR alone (export.formats [mindir]) computes "
+                     f"in {model.dtype}" if options.target == "ascend" else
                      "ONNX Runtime has no bfloat16/float16 MatMul kernel on x86 and MindSpore CPU none either")
             raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
                              f"(target {options.target}): {where}; nearest valid: float32, with quantization "
@@ -126,7 +140,18 @@ class ExportConfig(Settings):
         if self.model.dtype not in dtypes:
             raise ValueError(f"export.kv_cache_dtypes = {dtypes}: must include the compute dtype model.dtype = "
                              f"{self.model.dtype!r} (kv_cache.dtype: auto serves it); add it")
-        if dtypes != [self.model.dtype] and "onnx" not in self.export.formats:
-            raise ValueError(f"export.kv_cache_dtypes = {dtypes}: caches other than model.dtype are ONNX graphs; add "
-                             f"onnx to export.formats or keep only {self.model.dtype!r}")
+        ascend = self.export.target == "ascend" and "mindir" in self.export.formats
+        if ascend:  # the Ascend MINDIR's caches: its compute dtype (float16 for float32) and ATB's int8
+            compute = self.model.dtype if self.model.dtype != "float32" else "float16"
+            served = {self.model.dtype, compute, "int8"}
+            other = [d for d in dtypes if d not in served]
+            if other:
+                raise ValueError(f"export.kv_cache_dtypes = {dtypes}: the Ascend MINDIR computes in {compute} and "
+                                 f"ATB's PagedAttention reads the cache in the query's dtype or int8, so {other} "
+                                 f"cannot be served there; keep {sorted(served & set(KV_CACHE_DTYPES))}, or set "
+                                 f"model.dtype to {other[0]} (export.formats [mindir])")
+        elif dtypes != [self.model.dtype] and "onnx" not in self.export.formats:
+            raise ValueError(f"export.kv_cache_dtypes = {dtypes}: caches other than model.dtype are ONNX graphs "
+                             f"(the CPU MINDIR holds float32 pools only); add onnx to export.formats or keep only "
+                             f"{self.model.dtype!r}")
         return self

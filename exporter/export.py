@@ -76,14 +76,18 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     try:
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
+        graph = None
         if "onnx" in options.formats:
             forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
-            _write_kv_variants(checkpoint, config, gears, forms, staging, calibration_text, log)
+            graph = staging / GRAPH
+        kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration_text, log)
+        if "onnx" in options.formats:
+            _write_kv_variants(checkpoint, config, forms, staging, kv_scales)
         if "mindir" in options.formats:
             from .mindspore.export import write_mindir
 
             write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
-                         options.mindir_workers)
+                         options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales)
         if options.baseline == "naive":
             for kv_cache_dtype in options.kv_cache_dtypes:
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
@@ -223,20 +227,32 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     return forms
 
 
-def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
-                       forms: llama.WeightForms, out: Path, calibration_text: str | None, log: TextIO) -> None:
+def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
+               graph: Path | None, calibration_text: str | None, log: TextIO) -> dict[str, np.ndarray]:
+    """The int8 KV-cache parameters, calibrated once on the float32 ONNX `graph` (one written to a scratch
+    folder when the export writes no ONNX) and shared by the ONNX and MINDIR int8 graphs; {} without int8."""
+    options, model = config.export, checkpoint.config
+    if not any(cache_format(d).quantized for d in options.kv_cache_dtypes):
+        return {}
+    tokens, source = _calibration_tokens(checkpoint, options.kv_cache_calibration, calibration_text)
+    with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
+        if graph is None:
+            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, Path(scratch))
+            graph = Path(scratch) / GRAPH
+        scales, windows = calibrate_kv_scales(graph, model, gears[c.PREFILL], options.block_size, tokens,
+                                              options.kv_cache_calibration_window)
+    print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
+    return scales
+
+
+def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, forms: llama.WeightForms, out: Path,
+                       scales: dict[str, np.ndarray]) -> None:
     """One graph per extra KV-cache dtype, beside GRAPH and reading its weights file (kv_variant names them).
 
-    int8 graphs carry their calibrated per-channel scales as small inline parameters of their own.
+    int8 graphs carry their calibrated per-channel `scales` as small inline parameters of their own.
     """
     options, model = config.export, checkpoint.config
     extra = [d for d in options.kv_cache_dtypes if d != config.model.dtype]
-    scales: dict[str, np.ndarray] = {}
-    if any(cache_format(d).quantized for d in extra):
-        tokens, source = _calibration_tokens(checkpoint, options.kv_cache_calibration, calibration_text)
-        scales, windows = calibrate_kv_scales(out / GRAPH, model, gears[c.PREFILL], options.block_size, tokens,
-                                              options.kv_cache_calibration_window)
-        print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     paged = onnx.load_model(out / GRAPH, load_external_data=False)
     external = {t.name: t for t in paged.graph.initializer}
     for kv_cache_dtype in extra:

@@ -18,11 +18,14 @@ def require_mindspore() -> None:
 
 
 def export_artifact(source: str, out: Path, formats: list[str], decode: list[int], prefill: list[int],
-                    max_seqs: int, max_model_len: int, target: str = "cpu") -> Path:
+                    max_seqs: int, max_model_len: int, target: str = "cpu", model: dict[str, Any] | None = None,
+                    **options: Any) -> Path:
+    """A small export; `model` adds model keys (dtype, ...), `options` export keys (kv_cache_dtypes, ...)."""
     config = ExportConfig.model_validate({
-        "model": {"source": source},
+        "model": {"source": source, **(model or {})},
         "export": {"formats": formats, "target": target, "max_model_len": max_model_len, "verify_gears": False,
-                   "buckets": {"decode_batch": decode, "prefill_tokens": prefill, "prefill_max_seqs": max_seqs}},
+                   "buckets": {"decode_batch": decode, "prefill_tokens": prefill, "prefill_max_seqs": max_seqs},
+                   **options},
     })
     export(config, out, log=io.StringIO())
     return out

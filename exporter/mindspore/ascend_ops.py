@@ -1,8 +1,8 @@
 """The MindSpore Ascend lowering: MindSpore's own primitives, which run ATB/internal kernels there.
 
 Nothing here can run on a CPU host ("Unsupported op [PagedAttention] on CPU"): these graphs are
-exported here, read back and checked, and run on Ascend. Float16 throughout (ATB's
-PagedAttention has no float32 kernel); logits are cast back to float32. Pools are graph inputs in
+exported here, read back and checked, and run on Ascend. Float16 or bfloat16 throughout (`target.dtype`:
+ATB's PagedAttention has no float32 kernel); logits are cast back to float32. Pools are graph inputs in
 ATB's layout [num_blocks, block_size, kv_heads, head_dim], so the write lands in the caller's
 memory with no Reshape in between. Each body is a Cell built from the op's attributes (the
 primitives carry ATB's headNum, qkScale, kvHeadNum); construct is graph code.
@@ -17,6 +17,7 @@ from mindspore import dtype as mstype
 from mindspore.ops import auto_generate as prims
 
 from .common_ops import COMMON, Body
+from ...artifact.mindir import numpy_dtype
 from ...graphs import ops as op_set
 from ...graphs.ops.op import Lowering
 
@@ -66,8 +67,26 @@ class ReshapeAndCache(Body):
         self.write = prims.ReshapeAndCache()
 
     def construct(self, key, value, k_cache, v_cache, slot_mapping):
+        return self.store(key, value, k_cache, v_cache, slot_mapping)
+
+    def store(self, key, value, k_cache, v_cache, slot_mapping):
         token = self.write(key, value, k_cache, v_cache, ops.cast(slot_mapping, mstype.int32))
         return ops.depend(k_cache, token), ops.depend(v_cache, token)
+
+
+class ReshapeAndCacheInt8(ReshapeAndCache):
+    """ATB's int8 cache write (MindIE's C8): K and V quantized per channel by QuantV2, round(x * inv_scale +
+    offset) saturated to int8 with inv_scale and offset in the compute dtype, then the same ReshapeAndCache
+    writes the int8 rows into int8 pools."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__(attrs, target)
+        self.quant = prims.QuantV2()
+
+    def construct(self, key, value, k_cache, v_cache, slot_mapping, k_inv_scale, k_offset, v_inv_scale, v_offset):
+        key = self.quant(key, k_inv_scale, k_offset, False, "ROUND", mstype.int8)
+        value = self.quant(value, v_inv_scale, v_offset, False, "ROUND", mstype.int8)
+        return self.store(key, value, k_cache, v_cache, slot_mapping)
 
 
 class PagedAttention(Body):
@@ -77,17 +96,23 @@ class PagedAttention(Body):
         super().__init__()
         self.multi_query = target.multi_query
         self.head_num, self.head_dim, self.block_size = attrs.head_num, attrs.head_dim, attrs.block_size
+        self.mask_dtype = _ms_dtype(target.dtype)
         self.paged = prims.PagedAttention(attrs.head_num, attrs.qk_scale, attrs.kv_head_num)
 
     def construct(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
+        return self.attend(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, None, None)
+
+    def attend(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, antiquant_scale,
+               antiquant_offset):
         tokens = query.shape[0]
         heads = ops.reshape(query, (tokens, self.head_num, self.head_dim))
         if self.multi_query:
             q_seq_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
             mask = self.causal_rows(cu_seqlens_q, context_lens, tokens, block_tables.shape[1] * self.block_size)
-            out = self.paged(heads, k_cache, v_cache, block_tables, context_lens, None, None, mask, q_seq_lens)
+            out = self.paged(heads, k_cache, v_cache, block_tables, context_lens, antiquant_scale, antiquant_offset,
+                             mask, q_seq_lens)
         else:
-            out = self.paged(heads, k_cache, v_cache, block_tables, context_lens)
+            out = self.paged(heads, k_cache, v_cache, block_tables, context_lens, antiquant_scale, antiquant_offset)
         return ops.reshape(out, (tokens, -1))
 
     def causal_rows(self, cu_seqlens_q, context_lens, tokens, keys):
@@ -98,7 +123,47 @@ class PagedAttention(Body):
         seq = ops.minimum(seq, ends.shape[0] - 1)
         position = ops.gather(context_lens, seq, 0) - ops.gather(ends, seq, 0) + rows
         hidden = ops.expand_dims(ops.arange(0, keys, dtype=mstype.int32), 0) > ops.expand_dims(position, 1)
-        return ops.cast(hidden, mstype.float16) * _MASKED
+        return ops.cast(hidden, self.mask_dtype) * _MASKED
+
+
+class PagedAttentionInt8(PagedAttention):
+    """ATB's int8 cache read (MindIE's C8): PagedAttention with kv_cache_quant_mode DEFAULT (per channel over
+    kv_heads * head_dim) dequantizes in the kernel as antiquant does, scale * (q + antiquant_offset): so
+    antiquant_offset is minus the contract's offset, and K's and V's rows are stacked into ATB's [2, W] inputs.
+    MindSpore's infer takes (float16, float16) or (float32, int32) scale/offset pairs: float16 models take the
+    first, bfloat16 ones the second (see int8_cache_parameters)."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__(attrs, target)
+        self.offset_dtype = mstype.float16 if target.dtype == "float16" else mstype.int32
+        self.paged = prims.PagedAttention(attrs.head_num, attrs.qk_scale, attrs.kv_head_num, "DEFAULT")
+
+    def construct(self, query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, k_scale, k_offset,
+                  v_scale, v_offset):
+        scale = ops.stack((k_scale, v_scale))
+        offset = ops.cast(ops.stack((-k_offset, -v_offset)), self.offset_dtype)
+        return self.attend(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, offset)
+
+
+def int8_cache_parameters(params: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The calibrated int8 KV-cache parameters (graphs/kv_cache.py, float32 scales and int32 offsets) in the
+    dtypes the Ascend bodies take: QuantV2's inv_scale and offset in the compute dtype (float16's inv_scale
+    saturated at its largest finite value), PagedAttention's scale in float16 (float16 models) or float32."""
+    compute = numpy_dtype(dtype)
+    out = {}
+    for name, value in params.items():
+        if name.endswith("_inv_scale"):
+            limit = float(np.finfo(np.float16).max) if dtype == "float16" else np.inf
+            out[name] = np.minimum(value, limit).astype(compute)
+        elif name.endswith("_offset"):
+            out[name] = value.astype(compute)
+        else:
+            out[name] = value.astype(np.float16 if dtype == "float16" else np.float32)
+    return out
+
+
+def _ms_dtype(name: str) -> Any:
+    return {"float16": mstype.float16, "bfloat16": mstype.bfloat16}[name]
 
 
 class SelfAttention(Body):
@@ -131,11 +196,11 @@ class Float32Logits(Body):
 class LinearW8A8Static(Body):
     """MindIE's W8A8: x quantized with the calibrated per-tensor scale/offset (Div, Round, Add, Clip, Cast:
     ATB's AscendQuant pattern), then QuantBatchMatmul (int8 x int8 [n, k] transposed, int32 quant_bias,
-    per-channel deq_scale) back to float16."""
+    per-channel deq_scale) back to the compute dtype."""
 
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
-        self.matmul = prims.QuantBatchMatmul(transpose_x1=False, transpose_x2=True, dtype=mstype.float16)
+        self.matmul = prims.QuantBatchMatmul(transpose_x1=False, transpose_x2=True, dtype=_ms_dtype(target.dtype))
 
     def construct(self, x, weight, input_scale, input_offset, quant_bias, deq_scale):
         codes = ops.clamp(ops.round(x / input_scale) + input_offset, -128.0, 127.0)
@@ -147,13 +212,11 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
      op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
+     op_set.RESHAPE_AND_CACHE_BF16: ReshapeAndCache, op_set.PAGED_ATTENTION_BF16: PagedAttention,
+     op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,
      op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static})
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
     MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] "
                                  "weights with antiquant scale/offset; export refuses mindir with a quantization")
 MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
                                             "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")
-for _op in (op_set.RESHAPE_AND_CACHE_BF16, op_set.PAGED_ATTENTION_BF16):
-    MINDSPORE_ASCEND.refuse(_op, "the Ascend graphs compute in float16 (a float16 cache)")
-for _op in (op_set.RESHAPE_AND_CACHE_INT8, op_set.PAGED_ATTENTION_INT8):
-    MINDSPORE_ASCEND.refuse(_op, "not lowered yet (PagedAttention's antiquant_scale/offset inputs)")

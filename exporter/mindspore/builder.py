@@ -34,12 +34,14 @@ class MindSporeTarget:
     `library`: the kernels library (cpu). `multi_query`: the family feeds several queries per
     sequence (prefill; Ascend's PagedAttention then takes per-sequence lengths and a mask).
     `logits`: a Cell the logits pass through on the way out (Ascend: back to float32), if any.
+    `dtype`: the graph's compute dtype (Ascend: float16 or bfloat16; its masks and matmul outputs follow it).
     """
 
     name: str
     library: Path | None = None
     multi_query: bool = True
     logits: Callable[[], Any] | None = None
+    dtype: str = "float16"
 
 
 def weight_attribute(name: str) -> str:

@@ -1,8 +1,9 @@
 """Export one static MINDIR per gear from graphs/llama.py, plus the shared weights file and index.
 
 Target "cpu": float32, the fused ops are pagedgraph's C++ kernels (AOT custom ops), weights are
-graph inputs so one copy in memory serves every gear. Target "ascend": float16, MindSpore's own
-ATB-backed primitives, weights are Parameters whose data lives once in the shared weights file.
+graph inputs so one copy in memory serves every gear. Target "ascend": float16 or bfloat16 (model.dtype;
+float16 for float32), MindSpore's own ATB-backed primitives, weights are Parameters whose data lives once
+in the shared weights file. Ascend also writes one graph set per further KV-cache dtype (int8: ATB's C8).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ...artifact.manifest import kv_variant
 from ...artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, WeightEntry, gear_key, import_mindspore,
-                             write_weights)
+                                numpy_dtype, write_weights)
 from ..checkpoint.base import Checkpoint
 from .builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
 from ...graphs import contract as c
@@ -25,7 +27,6 @@ from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
 
-DTYPES = {"cpu": np.float32, "ascend": np.float16}
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
 
 
@@ -36,6 +37,7 @@ class _Job:
     model: ModelConfig
     block_size: int
     target: str
+    dtype: str  # compute dtype
     out: str
     scratch: str  # generated Cell sources go here
     entries: dict[str, WeightEntry]
@@ -44,6 +46,7 @@ class _Job:
 
 @dataclass(frozen=True)
 class _Compiled:
+    kv_cache_dtype: str
     family: str
     key: str
     rel: str
@@ -54,9 +57,30 @@ class _Compiled:
 _WORKER: dict[str, Any] = {}  # per process: the job, mindspore, the weights and the cells built so far
 
 
+def compute_dtype(target: str, model_dtype: str) -> str:
+    """The MINDIR's compute dtype: cpu float32; ascend model.dtype, float16 for float32 (ATB's PagedAttention
+    has no float32 kernel)."""
+    if target == "cpu":
+        return "float32"
+    return model_dtype if model_dtype in ("float16", "bfloat16") else "float16"
+
+
+def cache_dtypes(target: str, model_dtype: str, kv_cache_dtypes: tuple[str, ...] | list[str]) -> list[str]:
+    """The pool dtypes the MINDIR has graphs for, its compute dtype's first: cpu float32 only (other caches
+    are served by the ONNX graphs); ascend the compute dtype (for model.dtype, float32 included) and int8."""
+    compute = compute_dtype(target, model_dtype)
+    if target == "cpu":
+        return [compute]
+    return [compute] + (["int8"] if "int8" in kv_cache_dtypes else [])
+
+
 def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max_positions: int, block_size: int,
-                 target: str, out: Path, log: TextIO, workers: int | None = None) -> MindirIndex:
-    """Write graphs/mindir/ under `out` for every gear; returns the index it wrote.
+                 target: str, out: Path, log: TextIO, workers: int | None = None, model_dtype: str = "float32",
+                 kv_cache_dtypes: tuple[str, ...] = ("float32",),
+                 kv_scales: dict[str, np.ndarray] | None = None) -> MindirIndex:
+    """Write graphs/mindir/ under `out` for every gear and cache dtype; returns the index it wrote.
+
+    `kv_scales`: the calibrated int8 KV-cache parameters (exporter/kv_calibration.py), needed for int8.
 
     The gears compile in `workers` processes (default: `default_workers`, bounded by the cores and the
     available memory), each building a family's Cell once and reading the weights back from the shared
@@ -67,8 +91,16 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
 
     import_mindspore("--format mindir")
     model = checkpoint.config
-    dtype = DTYPES[target]
-    weights = {k: w.astype(dtype) for k, w in llama.graph_weights(model, checkpoint.tensors, max_positions).items()}
+    dtype = compute_dtype(target, model_dtype)
+    caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
+    weights = {k: w.astype(numpy_dtype(dtype))
+               for k, w in llama.graph_weights(model, checkpoint.tensors, max_positions).items()}
+    if "int8" in caches:
+        from .ascend_ops import int8_cache_parameters
+
+        if not kv_scales:
+            raise ValueError("an int8 KV cache in the Ascend MINDIR needs the calibrated scales (kv_scales)")
+        weights.update(int8_cache_parameters(kv_scales, dtype))
     (out / DIRECTORY).mkdir(parents=True, exist_ok=True)
     entries = write_weights(out / WEIGHTS, weights)
     weight_bytes = sum(w.nbytes for w in weights.values())
@@ -76,35 +108,40 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     num_blocks = max(g.blocks for family in gears.values() for g in family) + 1  # nominal; bound at load
     pool_shape = ((num_blocks * block_size, model.kv_size) if target == "cpu"
                   else (num_blocks, block_size, model.num_kv_heads, model.head_dim))
-    tasks = [(family, gear) for family, family_gears in gears.items() for gear in family_gears]
+    tasks = [(cache, family, gear) for cache in caches for family, family_gears in gears.items()
+             for gear in family_gears]
     workers = max(1, min(workers or default_workers(weight_bytes, target), len(tasks)))
-    done: dict[tuple[str, str], _Compiled] = {}
+    done: dict[tuple[str, str, str], _Compiled] = {}
     with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch, \
             tqdm(total=len(tasks), unit="gear", file=log, mininterval=1.0,
                  desc=f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}") as bar:
-        job = _Job(model, block_size, target, str(out), scratch, entries, pool_shape)
+        job = _Job(model, block_size, target, dtype, str(out), scratch, entries, pool_shape)
         if workers == 1:
-            _start_worker(job)
+            ms = import_mindspore("--format mindir")
+            previous = ms.get_context("jit_config")
             try:
-                for family, gear in tasks:
-                    result = _compile(family, gear)
-                    done[result.family, result.key] = result
+                _start_worker(job)
+                for task in tasks:
+                    result = _compile(*task)
+                    done[result.kv_cache_dtype, result.family, result.key] = result
                     bar.update()
             finally:
                 _WORKER.clear()  # the weights' copy and the cells
+                ms.set_context(jit_config=previous or {"infer_boost": "off"})
         else:
             # spawn, not fork: MindSpore's runtime threads do not survive a fork
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(workers, context, _start_worker, (job,)) as pool:
-                for future in as_completed([pool.submit(_compile, family, gear) for family, gear in tasks]):
+                for future in as_completed([pool.submit(_compile, *task) for task in tasks]):
                     result = future.result()
-                    done[result.family, result.key] = result
+                    done[result.kv_cache_dtype, result.family, result.key] = result
                     bar.update()
-    first = next(iter(done.values()))
-    index = MindirIndex(target=target, dtype=np.dtype(dtype).name, inputs=first.inputs,
-                        weights={name: entries[name] for name in first.weights}, pool_shape=pool_shape,
-                        graphs={family: {gear_key(g): done[family, gear_key(g)].rel for g in family_gears}
-                                for family, family_gears in gears.items()})
+    first = next(r for r in done.values() if r.kv_cache_dtype == dtype)
+    names = list(dict.fromkeys([*first.weights, *(w for r in done.values() for w in r.weights)]))  # cpu: input order
+    graphs = {cache: {family: {gear_key(g): done[cache, family, gear_key(g)].rel for g in family_gears}
+                      for family, family_gears in gears.items()} for cache in caches}
+    index = MindirIndex(target=target, dtype=dtype, inputs=first.inputs,
+                        weights={name: entries[name] for name in names}, pool_shape=pool_shape, graphs=graphs.pop(dtype), kv_cache_graphs=graphs)
     (out / INDEX).write_text(index.to_json())
     return index
 
@@ -127,46 +164,52 @@ def _available_memory() -> int:
 
 
 def _start_worker(job: _Job) -> None:
-    """Process initializer: mindspore and the weights (CPU target: a private copy, as graph inputs)."""
+    """Process initializer: mindspore and the weights (CPU target: a private copy, as graph inputs).
+
+    Ascend compiles with MindSpore's infer_boost on, as MindFormers serves: its PagedAttention takes an int8
+    cache only then."""
     data = np.memmap(Path(job.out) / WEIGHTS, dtype=np.uint8, mode="r")
-    dtype = np.dtype(DTYPES[job.target])
-    views = {name: np.ndarray(e.shape, dtype, data, e.offset) for name, e in job.entries.items()}
+    views = {name: np.ndarray(e.shape, numpy_dtype(e.dtype or job.dtype), data, e.offset)
+             for name, e in job.entries.items()}
+    ms = import_mindspore("--format mindir")
+    if job.target == "ascend":
+        ms.set_context(jit_config={"infer_boost": "on"})
     _WORKER.clear()
-    _WORKER.update(job=job, ms=import_mindspore("--format mindir"), cells={},
+    _WORKER.update(job=job, ms=ms, cells={},
                    weights={k: np.array(v) for k, v in views.items()} if job.target == "cpu" else views)
 
 
-def _compile(family: str, gear: Gear) -> _Compiled:
-    """Export one gear's MINDIR (in a worker, or in-process with one worker)."""
+def _compile(kv_cache_dtype: str, family: str, gear: Gear) -> _Compiled:
+    """Export one gear's MINDIR for pools of `kv_cache_dtype` (in a worker, or in-process with one worker)."""
     job, ms, weights, cells = _WORKER["job"], _WORKER["ms"], _WORKER["weights"], _WORKER["cells"]
-    if family not in cells:
+    if (family, kv_cache_dtype) not in cells:
         scratch = Path(job.scratch) / str(os.getpid())
         scratch.mkdir(exist_ok=True)
-        cells[family] = _bucket_cell(job.model, job.block_size, job.target, family, weights, scratch)
-    cell, builder = cells[family]
-    rel = f"{DIRECTORY}/{family}_{gear_key(gear)}.mindir"
-    args = _example_args(ms, gear, builder, job.pool_shape, DTYPES[job.target], weights)
+        cells[family, kv_cache_dtype] = _bucket_cell(job, family, kv_cache_dtype, weights, scratch)
+    cell, builder = cells[family, kv_cache_dtype]
+    rel = kv_variant(f"{DIRECTORY}/{family}_{gear_key(gear)}.mindir", kv_cache_dtype, job.dtype)
+    args = _example_args(ms, gear, builder, job.pool_shape, numpy_dtype(kv_cache_dtype), weights)
     _export(ms, cell, args, Path(job.out) / rel, job.entries if job.target == "ascend" else None)
-    return _Compiled(family, gear_key(gear), rel, tuple(builder.inputs), tuple(builder.weights))
+    return _Compiled(kv_cache_dtype, family, gear_key(gear), rel, tuple(builder.inputs), tuple(builder.weights))
 
 
-def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights: dict[str, np.ndarray],
+def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, weights: dict[str, np.ndarray],
                  scratch: Path) -> tuple[Any, MindSporeBuilder]:
     """Record llama.build against the target's lowering and instantiate the generated Cell."""
-    if target == "cpu":
+    if job.target == "cpu":
         from .cpu_ops import MINDSPORE_CPU
         from ...kernels.build import library_path
 
-        lowering, ms_target = MINDSPORE_CPU, MindSporeTarget("cpu", library=library_path())
+        lowering, ms_target = MINDSPORE_CPU, MindSporeTarget("cpu", library=library_path(), dtype=job.dtype)
     else:
         from .ascend_ops import MINDSPORE_ASCEND, Float32Logits
 
         lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
-                                                                logits=Float32Logits)
-    builder = MindSporeBuilder(lowering, ms_target, weights_as_inputs=target == "cpu")
-    llama.build(builder, model, block_size)
-    cell = load_cell_class(builder.source(), scratch / f"{target}_{family}.py")(builder.cells)
-    if target == "ascend":
+                                                                logits=Float32Logits, dtype=job.dtype)
+    builder = MindSporeBuilder(lowering, ms_target, weights_as_inputs=job.target == "cpu")
+    llama.build(builder, job.model, job.block_size, kv_cache_dtype=kv_cache_dtype)
+    cell = load_cell_class(builder.source(), scratch / f"{job.target}_{family}_{kv_cache_dtype}.py")(builder.cells)
+    if job.target == "ascend":
         from mindspore import Parameter
         from mindspore.common.initializer import initializer
 
@@ -180,21 +223,21 @@ def _bucket_cell(model: Any, block_size: int, target: str, family: str, weights:
 def _ms_dtype(dtype: np.dtype) -> Any:
     from mindspore import dtype as mstype
 
-    return {np.dtype(np.float32): mstype.float32, np.dtype(np.float16): mstype.float16}[np.dtype(dtype)]
+    return getattr(mstype, np.dtype(dtype).name)
 
 
-def _example_args(ms: Any, gear: Gear, builder: MindSporeBuilder, pool_shape: tuple[int, ...], dtype: type,
+def _example_args(ms: Any, gear: Gear, builder: MindSporeBuilder, pool_shape: tuple[int, ...], pool_dtype: np.dtype,
                   weights: dict[str, np.ndarray]) -> list[Any]:
     """Zero tensors of the gear's shapes, in the graph's argument order (values are never run)."""
     shapes = gear.input_shapes()
-    args = [ms.Tensor(np.zeros(shapes[n], c.INPUT_DTYPES[n])) if n in shapes else ms.Tensor(np.zeros(pool_shape, dtype))
-            for n in builder.inputs]
+    args = [ms.Tensor(np.zeros(shapes[n], c.INPUT_DTYPES[n])) if n in shapes
+            else ms.Tensor(np.zeros(pool_shape, pool_dtype)) for n in builder.inputs]
     if builder.weights_as_inputs:
         args += [ms.Tensor(weights[w]) for w in builder.weights]
     return args
 
 
-def _export(ms: Any, cell: Any, args: list[Any], path: Path, entries: dict[str, Any] | None) -> None:
+def _export(ms: Any, cell: Any, args: list[Any], path: Path, entries: dict[str, WeightEntry] | None) -> None:
     """ms.export, then (Ascend) point every Parameter at the shared weights file instead of a private copy."""
     from mindspore.train.mind_ir_pb2 import ModelProto
 
@@ -212,10 +255,10 @@ def _export(ms: Any, cell: Any, args: list[Any], path: Path, entries: dict[str, 
     proto = ModelProto()
     proto.ParseFromString(path.read_bytes())
     for parameter in stashed:
-        name = parameter.name.split(":")[-1]
+        entry = entries[parameter.name.split(":")[-1]]
         parameter.ClearField("raw_data")
         parameter.external_data.location = Path(WEIGHTS).name
-        parameter.external_data.offset = entries[name].offset
-        parameter.external_data.length = int(np.prod(entries[name].shape)) * 2
+        parameter.external_data.offset = entry.offset
+        parameter.external_data.length = int(np.prod(entry.shape)) * numpy_dtype(entry.dtype or "float16").itemsize
         proto.graph.parameter.append(parameter)
     path.write_bytes(proto.SerializeToString())

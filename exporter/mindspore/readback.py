@@ -2,7 +2,9 @@
 
 MindSpore stores a primitive's constructor arguments (PagedAttention's head_num, scale_value,
 kv_head_num) as constant inputs after its tensor inputs, not as attributes; they are named here
-from the primitive's own signature, so a record reads like the call that built it.
+from the primitive's own signature, so a record reads like the call that built it. Every tensor
+argument's dtype comes from the graph input or parameter it reads, or from the shape attribute
+MindSpore stores on the node computing it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,24 @@ class OpRecord:
     attributes: dict[str, Any]  # primitive attributes (side_effect_mem, Custom's atb_op, ...)
     arguments: dict[str, Any]  # input name -> constant, graph input/parameter read, or `<Op>` computing it
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> shape, for graph inputs
+    dtypes: dict[str, str] = field(default_factory=dict)  # tensor input name -> dtype ("float16", "int8", ...)
+    output_dtype: str | None = None  # the node's (first) output dtype
+
+
+def _dtype(data_type: int) -> str:
+    """TensorProto's element type as numpy names it (FLOAT -> float32, BFLOAT16 -> bfloat16)."""
+    from mindspore.train.mind_ir_pb2 import TensorProto
+
+    name = TensorProto.DataType.Name(data_type).lower()
+    return {"float": "float32", "double": "float64"}.get(name, name)
+
+
+def _node_dtype(node: Any) -> str | None:
+    """A node's output dtype from its `shape` attribute (a tuple output: its first element)."""
+    for attribute in node.attribute:
+        if attribute.name == "shape" and attribute.tensors:
+            return _dtype(attribute.tensors[0].data_type)
+    return None
 
 
 def _value(attribute: Any) -> Any:
@@ -53,16 +73,19 @@ def read_ops(path: Path, op_types: set[str] | None = None) -> list[OpRecord]:
     constants = {n.output[0]: _value(n.attribute[0]) for n in graph.node if n.op_type == "Constant"}
     shapes = {short(i.name): tuple(i.tensor[0].dims) for i in graph.input}
     shapes.update({short(p.name): tuple(p.dims) for p in graph.parameter})
+    dtypes = {short(i.name): _dtype(i.tensor[0].data_type) for i in graph.input}
+    dtypes.update({short(p.name): _dtype(p.data_type) for p in graph.parameter})
     attributes = {p.name: {a.name: _value(a) for a in p.attribute} for p in model.primitives}
     producers = {out: node for node in graph.node for out in node.output}
 
-    def source_of(name: str) -> str:
-        """A graph input or parameter by name, seen through Depend/Load (effect ordering); else `<ProducingOp>`."""
+    def resolve(name: str) -> tuple[str, Any]:
+        """`name` seen through Depend/Load (effect ordering): (the graph input or parameter, None), or
+        (`<ProducingOp>`, the node computing it)."""
         node = producers.get(name)
         if node is None or not node.op_type.startswith("REF::"):
-            return short(name)
+            return short(name), None
         op_type = node.op_type[len("REF::"):].split(":")[0]
-        return source_of(node.input[0]) if op_type in ("Depend", "Load") else f"<{op_type}>"
+        return resolve(node.input[0]) if op_type in ("Depend", "Load") else (f"<{op_type}>", node)
 
     records = []
     for node in graph.node:
@@ -73,13 +96,17 @@ def read_ops(path: Path, op_types: set[str] | None = None) -> list[OpRecord]:
         if op_type in _PLUMBING or (op_types is not None and op_type not in op_types):
             continue
         arguments: dict[str, Any] = {}
-        input_shapes = {}
+        input_shapes, input_dtypes = {}, {}
         for name, source in zip(_input_names(op_type, len(node.input)), node.input):
-            value = constants[source] if source in constants else source_of(source)
+            value, node_in = (constants[source], None) if source in constants else resolve(source)
             if value in _EFFECT_TOKENS:
                 continue
             arguments[name] = value
             if value in shapes:
                 input_shapes[name] = shapes[value]
-        records.append(OpRecord(op_type, attributes.get(primitive, {}), arguments, input_shapes))
+            dtype = None if source in constants else dtypes.get(value) if node_in is None else _node_dtype(node_in)
+            if dtype is not None:
+                input_dtypes[name] = dtype
+        records.append(OpRecord(op_type, attributes.get(primitive, {}), arguments, input_shapes, input_dtypes,
+                                _node_dtype(node)))
     return records

@@ -25,6 +25,7 @@ from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedgraph.runtime.executor_mindspore import MindSporeExecutor  # noqa: E402
 from pagedgraph.runtime.kv_pools import KVPools  # noqa: E402
 from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
+from tests.paths import REPO  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
 BLOCK = 16
@@ -179,6 +180,106 @@ def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifac
         assert kinds["RotaryPositionEmbedding"][0].arguments["mode"] == 0  # rotate-half
         assert all(r.arguments["transpose_b"] for r in kinds["MatMul"])  # ATB's [out, in] weights
         assert kinds["MatMul"][0].arguments["mat2"] == "layers.0.qkv"  # a Parameter, not a graph input
+
+
+# model.dtype -> (export.formats, export.kv_cache_dtypes, the Ascend MINDIR's compute dtype)
+ASCEND_CACHES = {"float32": (["onnx", "mindir"], ["float32", "int8"], "float16"),
+                 "bfloat16": (["mindir"], ["bfloat16", "int8"], "bfloat16")}
+# PagedAttention's (antiquant_scale, antiquant_offset) dtypes per compute dtype: pairs MindSpore's infer takes
+ANTIQUANT = {"float16": ("float16", "float16"), "bfloat16": ("float32", "int32")}
+CACHE_OPS = {"QuantV2", "ReshapeAndCache", "PagedAttention", "MatMul", "Neg"}
+
+
+@pytest.fixture(scope="module", params=list(ASCEND_CACHES))
+def ascend_caches(request: pytest.FixtureRequest, checkpoint: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An Ascend MINDIR with a compute-dtype cache and an int8 one (float32 beside the ONNX int8 graph)."""
+    formats, caches, _ = ASCEND_CACHES[request.param]
+    art = export_artifact(str(checkpoint), tmp_path_factory.mktemp(f"ascend_{request.param}") / "art", formats,
+                          decode=[2], prefill=[16], max_seqs=2, max_model_len=MAX_LEN, target="ascend",
+                          model={"dtype": request.param}, kv_cache_dtypes=caches, mindir_workers=1,
+                          kv_cache_calibration=str(REPO / "pagedgraph" / "data" / "calibration.txt"))
+    return request.param, art
+
+
+def test_ascend_mindir_holds_a_graph_set_per_cache_dtype_with_atb_int8_cache(ascend_caches: tuple[str, Path]) -> None:
+    """Per cache dtype, the primitives, their attributes and their input dtypes read back: the compute dtype's
+    cache as it is; int8 as ATB's C8 (QuantV2 then ReshapeAndCache into int8 pools, PagedAttention with
+    kv_cache_quant_mode DEFAULT and the antiquant scale/offset)."""
+    from mindspore.ops.auto_generate.gen_ops_prim import str_to_enum
+
+    model_dtype, art = ascend_caches
+    _, caches, compute = ASCEND_CACHES[model_dtype]
+    index, manifest = MindirIndex.load(art), Manifest.load(art)
+    model = manifest.model
+    assert (index.dtype, set(index.kv_cache_graphs), manifest.kv_cache_dtypes) == (compute, {"int8"}, tuple(caches))
+    default = str_to_enum("PagedAttention", "kv_cache_quant_mode", "DEFAULT")
+    for cache, graph_set in ((compute, index.graphs), ("int8", index.kv_cache_graphs["int8"])):
+        pool = "int8" if cache == "int8" else compute
+        for family, graphs in graph_set.items():
+            records = read_ops(art / next(iter(graphs.values())), CACHE_OPS)
+            kinds = {k: [r for r in records if r.op_type == k] for k in CACHE_OPS}
+            print(f"\n{cache} cache, {family}:")
+            for op_type, found in sorted(kinds.items()):
+                if found:
+                    print(f"  {op_type} x{len(found)}: {found[0].arguments} dtypes {found[0].dtypes} "
+                          f"-> {found[0].output_dtype}")
+            assert all(r.dtypes == {"input": compute, "mat2": compute} and r.output_dtype == compute
+                       for r in kinds["MatMul"])
+            assert len(kinds["ReshapeAndCache"]) == len(kinds["PagedAttention"]) == model.num_layers
+            write, attention = kinds["ReshapeAndCache"][0], kinds["PagedAttention"][0]
+            assert write.dtypes == {"key": pool, "value": pool, "key_cache": pool, "value_cache": pool,
+                                    "slot_mapping": "int32"}
+            assert write.shapes["key_cache"] == (5, BLOCK, model.num_kv_heads, model.head_dim)
+            args = attention.arguments
+            assert (attention.dtypes["query"], attention.dtypes["key_cache"], attention.output_dtype) == (
+                compute, pool, compute)
+            assert args["kv_cache_quant_mode"] == default and (args["head_num"], args["kv_head_num"]) == (
+                model.num_heads, model.num_kv_heads)
+            assert (args["attn_mask"] is None) == (family == c.DECODE)
+            if cache != "int8":
+                assert not kinds["QuantV2"] and not kinds["Neg"]
+                assert args["antiquant_scale"] is None and args["antiquant_offset"] is None
+                continue
+            assert (write.arguments["key"], write.arguments["value"]) == ("<QuantV2>", "<QuantV2>")
+            assert len(kinds["QuantV2"]) == 2 * model.num_layers
+            for quant, kv in zip(kinds["QuantV2"][:2], "kv"):
+                assert (quant.arguments["scale"], quant.arguments["offset"]) == (
+                    f"layers.0.{kv}_cache_inv_scale", f"layers.0.{kv}_cache_offset")
+                assert quant.dtypes == {"x": compute, "scale": compute, "offset": compute}
+                assert quant.output_dtype == "int8" and quant.shapes["scale"] == (model.kv_size,)
+            assert args["antiquant_scale"] == "<Stack>"  # K's and V's rows stacked: ATB's [2, kv_heads * head_dim]
+            # antiquant computes scale * (q + offset): the offset it takes is minus the contract's
+            negated = [r.arguments["input"] for r in kinds["Neg"][:2]]
+            assert negated == ["layers.0.k_cache_offset", "layers.0.v_cache_offset"]
+            assert (attention.dtypes["antiquant_scale"], attention.dtypes["antiquant_offset"]) == ANTIQUANT[compute]
+
+
+def test_ascend_int8_cache_parameters_are_the_calibrated_ones(ascend_caches: tuple[str, Path]) -> None:
+    """The MINDIR's int8 parameters are the ONNX int8 graph's calibrated numbers, in the dtypes Ascend reads."""
+    import onnx
+    from onnx import numpy_helper
+
+    model_dtype, art = ascend_caches
+    _, _, compute = ASCEND_CACHES[model_dtype]
+    index = MindirIndex.load(art)
+    weights = index.read_weights(art)
+    scale, inv, offset = (weights[f"layers.0.k_cache_{f}"] for f in ("scale", "inv_scale", "offset"))
+    assert (inv.dtype.name, offset.dtype.name, scale.dtype.name) == (compute, compute, ANTIQUANT[compute][0])
+    wide = {name: w.astype(np.float32) for name, w in weights.items() if "_cache_" in name}
+    assert {name.split(".", 2)[2] for name in wide} == {f"{kv}_cache_{f}" for kv in "kv"
+                                                        for f in ("scale", "inv_scale", "offset")}
+    for name, w in wide.items():
+        if name.endswith("offset"):
+            assert (w == np.round(w)).all() and w.min() >= -128 and w.max() <= 127
+    np.testing.assert_allclose(wide["layers.0.k_cache_scale"] * wide["layers.0.k_cache_inv_scale"], 1, rtol=1e-2)
+    if model_dtype != "float32":
+        return
+    graph = onnx.load_model(art / "graphs" / "model.kv-int8.onnx", load_external_data=False)
+    calibrated = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer if t.name in wide}
+    assert set(calibrated) == set(wide)
+    for name, value in calibrated.items():
+        np.testing.assert_allclose(wide[name], value, rtol=1e-3, err_msg=name)
 
 
 def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkpoint: Path) -> None:

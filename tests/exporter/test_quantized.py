@@ -168,7 +168,12 @@ def test_rtn_quantizers_keep_every_weight_within_half_a_step() -> None:
 @pytest.mark.parametrize(("data", "says"), [
     ({"model": {"source": "some/hf_dir", "quantization": "gguf"}}, "not a .gguf file; nearest valid: w4a16"),
     ({"model": {"dtype": "bfloat16"}}, "model.dtype = 'bfloat16' is not built .* nearest valid: float32"),
-    ({"model": {"dtype": "float16"}, "export": {"formats": ["mindir"], "target": "ascend"}}, "float16 already"),
+    ({"model": {"dtype": "float16"}, "export": {"formats": ["onnx", "mindir"], "target": "ascend"}},
+     "the ONNX graphs compute in float32; the Ascend MINDIR alone"),
+    ({"export": {"formats": ["mindir"], "target": "ascend", "kv_cache_dtypes": ["float32", "bfloat16"]}},
+     r"computes in float16 .* so \['bfloat16'\] cannot be served there"),
+    ({"export": {"formats": ["mindir"], "kv_cache_dtypes": ["float32", "int8"]}},
+     "CPU MINDIR holds float32 pools only"),
     ({"model": {"quantization": "w8a8"}, "export": {"formats": ["mindir"]}}, "ONNX .* only"),
     ({"model": {"quantization": "w4a16", "group_size": 100}}, "group_size = 100.* nearest valid: 128"),
     ({"model": {"quantization": "gguf"}, "export": {"formats": ["onnx", "mindir"]}}, "ONNX .* only"),

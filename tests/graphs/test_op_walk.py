@@ -10,8 +10,9 @@ that lacks a body fails the registry check below. How each lowering runs one op:
 - contiguous: the baseline's bodies on the example converted to its [B, KV, max_len, D] cache
   layout (where the example has a shape that layout can express: one query run length per row);
 - mindspore-cpu: the op's body Cell alone in GRAPH_MODE (static shapes, the AOT kernels);
-- mindspore-ascend: no Ascend device here, so the body Cell is exported to MINDIR in float16 (MindSpore
-  infers every primitive's types and shapes) and the primitives are read back;
+- mindspore-ascend: no Ascend device here, so the body Cell is exported to MINDIR in float16 (bfloat16 for
+  the bfloat16 cache variants; MindSpore infers every primitive's types and shapes) and the primitives are
+  read back;
 - kernels: the C API through ctypes (kernels/binding.py).
 """
 from __future__ import annotations
@@ -183,14 +184,22 @@ def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
 def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     import mindspore as ms
 
-    from pagedgraph.exporter.mindspore.ascend_ops import MINDSPORE_ASCEND
+    from pagedgraph.exporter.mindspore.ascend_ops import MINDSPORE_ASCEND, int8_cache_parameters
     from pagedgraph.exporter.mindspore.builder import MindSporeTarget
     from pagedgraph.exporter.mindspore.readback import read_ops
+    from pagedgraph.graphs.kv_cache import SCALE_FIELDS
 
     attrs = op.attrs(**example.attrs)
-    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    cell = MINDSPORE_ASCEND.body(op)(attrs, MindSporeTarget("ascend", multi_query=True))
-    inputs = [None if x is None else x.astype(np.float16) if x.dtype == np.float32 else x for x in example.inputs]
+    # The export's context: infer_boost on (PagedAttention takes an int8 cache only then). A bfloat16 cache
+    # variant is built in a bfloat16 graph; the int8 parameters come in the dtypes the Ascend export writes.
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", jit_config={"infer_boost": "on"})
+    dtype = "bfloat16" if op.variant == "bfloat16" else "float16"
+    cell = MINDSPORE_ASCEND.body(op)(attrs, MindSporeTarget("ascend", multi_query=True, dtype=dtype))
+    params = int8_cache_parameters({spec.name: x for spec, x in zip(op.inputs, example.inputs)
+                                    if spec.name in SCALE_FIELDS}, dtype)
+    compute = cache_format(dtype).numpy_dtype
+    inputs = [None if x is None else params[spec.name] if spec.name in params else
+              x.astype(compute) if x.dtype == np.float32 else x for spec, x in zip(op.inputs, example.inputs)]
     if op.name in ("ReshapeAndCache", "PagedAttention"):  # ATB's pool layout [blocks, block_size, kv_heads, D]
         writes = op.name == "ReshapeAndCache"
         pools = (2, 3) if writes else (1, 2)
@@ -198,7 +207,11 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
         for i in pools:
             inputs[i] = inputs[i].reshape(-1, block, kv_heads, inputs[i].shape[1] // kv_heads)
     path = tmp_path / op.key.replace(".", "_")  # ms.export appends .mindir; a variant key has a dot
-    ms.export(cell, *(None if x is None else ms.Tensor(x) for x in inputs), file_name=str(path), file_format="MINDIR")
+    try:
+        ms.export(cell, *(None if x is None else ms.Tensor(x) for x in inputs), file_name=str(path),
+                  file_format="MINDIR")
+    finally:
+        ms.set_context(jit_config={"infer_boost": "off"})
     assert read_ops(path.with_suffix(".mindir")), "the exported graph holds no primitive"
 
 
