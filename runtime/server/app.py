@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API over one shared engine loop.
 
+A body is read under `server.max_body_bytes` (`BodyLimit`, the app's middleware) before anything parses it.
 Requests are validated on the event loop and tokenized on one worker thread (a long prompt never
 stalls other streams), then handed to the `EngineLoop`; a handler holds a `RequestHandle` until its
 request finishes, and whichever way it ends (answered, timed out, client gone, server draining) the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -25,14 +27,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deploy_config import Deployment
 from ..engine import RequestOutput
 from ..constraints import ConstraintError
 from ..sampling_params import RequestError, SamplingParams
 from . import metrics
-from .body_limit import BodyLimit
 from .engine_loop import EngineLoop, RequestHandle
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      SamplingFields, TokenizeRequest)
@@ -42,6 +43,70 @@ from .responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, 
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")
+DRAIN_FACTOR = 64  # BodyLimit drains at most this many times the limit of a refused body
+
+
+class BodyLimit:
+    """A cap on request body size (`server.max_body_bytes`), enforced before anything parses the body.
+
+    The body is read here, up to `limit` bytes, then replayed to the app; a larger body (declared by
+    Content-Length or found while reading a chunked upload) is answered 413, so no handler, JSON parser
+    or tokenizer ever sees more than `limit` bytes of one request. The rest of a refused body is read and
+    dropped first (up to `DRAIN_FACTOR` times the limit): closing a socket with unread data resets the
+    connection, and the client would lose the 413 it had not read yet.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(receive, send, f"the request body is {int(declared)} bytes")
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-upload: let the app see it
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(receive, send, f"the request body is over {self.limit} bytes",
+                                   message.get("more_body", False))
+                return
+            if not message.get("more_body", False):
+                break
+        first: Message = message if message["type"] != "http.request" else \
+            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return first
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, receive: Receive, send: Send, what: str, more: bool = True) -> None:
+        budget = DRAIN_FACTOR * self.limit
+        while more and budget > 0:
+            message = await receive()
+            budget -= len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        error = APIError(413, f"{what}; this server accepts at most server.max_body_bytes = {self.limit} bytes "
+                              "per request: send a shorter prompt", code="request_too_large")
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class _EventStream(StreamingResponse):
@@ -108,21 +173,17 @@ class Frontend:
         except RequestError as exc:
             raise self._refused(exc, prompt_field) from None
 
-    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                tools: ToolRequest | None = None) -> SamplingParams:
+    def _params(self, body: SamplingFields, tools: ToolRequest | None = None) -> SamplingParams:
+        """The server's limit on `n`, the request's one constraint (chat: tool_calls.structured_output, which
+        adds a forced tool call), then `SamplingFields.params` over the deployment's defaults."""
         if body.n > self.max_n:
             raise APIError(400, f"n = {body.n}: at most {self.max_n} completions per request (the largest batch this "
                                 "deployment runs)", param="n")
         try:
-            constraint = structured_output(body, tools)
+            constraint = body.constraint() if tools is None else structured_output(body, tools)
         except ConstraintError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
-        given = {"max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": constraint}
-        try:
-            return SamplingParams(**{**self.defaults, **{k: v for k, v in given.items() if v is not None},
-                                     **body.sampling()})
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
+        return body.params(self.defaults, constraint)
 
     async def _compile(self, params: SamplingParams) -> None:
         """Compile the request's grammar on the tokenizer thread (cached for the engine), so a bad one is a 400
@@ -133,10 +194,9 @@ class Frontend:
                                  params.structured_outputs.field)
 
     async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
-                       max_tokens: int | None, logprobs: int | None, prompt_text: str,
-                       tools: ToolRequest | None = None) -> Response:
+                       prompt_text: str, tools: ToolRequest | None = None) -> Response:
         """Server limits, then the engine's own checks (`LLMEngine.add_request`, also `LLM`'s), then the answer."""
-        params = self._params(body, max_tokens, logprobs, tools)
+        params = self._params(body, tools)
         await self._compile(params)
         self.check_admitting()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
@@ -284,7 +344,7 @@ class Frontend:
                            param="prompt_logprobs")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
         fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo, body.prompt_logprobs is not None)
-        return await self.generate(request, body, ids, "prompt", fmt, body.max_tokens, body.logprobs,
+        return await self.generate(request, body, ids, "prompt", fmt,
                                    prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -295,11 +355,9 @@ class Frontend:
         tools = tool_request(body, self.tokenizer)
         messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
         text, ids = await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        fmt = ToolChatFormat(self.model, self.tokenizer, logprobs, tools.parser) if tools.active else \
-            ChatFormat(self.model, self.tokenizer, logprobs)
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        return await self.generate(request, body, ids, "messages", fmt, max_tokens, logprobs, text, tools)
+        fmt = ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser) if tools.active else \
+            ChatFormat(self.model, self.tokenizer, body.num_logprobs)
+        return await self.generate(request, body, ids, "messages", fmt, text, tools)
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""

@@ -5,15 +5,17 @@ Unknown fields are errors (400 naming the field), like unknown YAML keys, and so
 does not implement are accepted only at their neutral value, so clients that always send them
 (`best_of: 1`, `suffix: ""`) still work while a real use of them is refused clearly. Value rules
 (ranges, logit_bias ids) are SamplingParams' and the engine's, so the API, `LLM` and the JSONL of
-`pagedgraph generate` refuse the same values with the same message.
+`pagedgraph generate` refuse the same values with the same message; `SamplingFields.params` is the one
+place a body becomes SamplingParams.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..constraints import Constraint, ConstraintError
+from ..sampling_params import RequestError, SamplingParams
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
@@ -122,10 +124,20 @@ class SamplingFields(_Body):
             raise ConstraintError("structured_outputs", "give either response_format or structured_outputs, not both")
         return given[0] if given else None
 
+    def params(self, defaults: Mapping[str, Any], constraint: Constraint | None = None) -> SamplingParams:
+        """The request's SamplingParams over the deployment's `defaults`, with `constraint` (the request's
+        structured output, if any); refused values are a 400 naming the field."""
+        given = {**self.sampling(), **({"structured_outputs": constraint} if constraint is not None else {})}
+        try:
+            return SamplingParams(**{**defaults, **given})
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+
     def sampling(self) -> dict[str, Any]:
         """The fields SamplingParams takes as they are; None ones are left to the deployment's defaults."""
-        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                 "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids, "n": self.n,
+        given = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                 "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
+                 "stop_token_ids": self.stop_token_ids, "n": self.n,
                  "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                  "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias}
@@ -144,7 +156,8 @@ class CompletionRequest(SamplingFields):
         """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does; with
         prompt_logprobs too, the prompt entries carry the larger of the two top-k counts."""
         wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
-        return {**super().sampling(), **({"prompt_logprobs": max(wanted)} if wanted else {})}
+        given = {"logprobs": self.logprobs, "prompt_logprobs": max(wanted) if wanted else None}
+        return {**super().sampling(), **{k: v for k, v in given.items() if v is not None}}
 
 
 class TextPart(BaseModel):
@@ -228,6 +241,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """logprobs + top_logprobs as SamplingParams counts them: None (off) or the top-k count."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling(self) -> dict[str, Any]:
+        """max_completion_tokens stands in for max_tokens (OpenAI's newer name); logprobs as `num_logprobs`."""
+        given = {"max_tokens": self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+                 "logprobs": self.num_logprobs}
+        return {**super().sampling(), **{k: v for k, v in given.items() if v is not None}}
 
     @field_validator("tools")
     @classmethod

@@ -12,8 +12,7 @@ import pytest
 
 from pagedgraph.graphs.contract import NULL_BLOCK
 from pagedgraph.runtime.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from pagedgraph.runtime.kv_cache_manager import KVCacheManager
-from pagedgraph.runtime.prefix_hash import block_hash, extend_hashes, root_hash
+from pagedgraph.runtime.kv_cache_manager import KVCacheManager, block_hash, extend_hashes, root_hash
 from pagedgraph.runtime.sequence import Sequence
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
