@@ -123,9 +123,12 @@ class ExportConfig(Settings):
             raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
                              f"(target {options.target}): {where}; nearest valid: float32, with quantization "
                              "w8a16 or gguf for smaller, faster weights")
-        if model.quantization != "none" and "mindir" in options.formats:
-            raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX (MatMulNBits) only; "
-                             "nearest valid: export.formats [onnx], or quantization none for MINDIR")
+        ascend_w8a16 = options.target == "ascend" and model.quantization == "w8a16"
+        if model.quantization != "none" and "mindir" in options.formats and not ascend_w8a16:
+            where = ("the Ascend MINDIR builds w8a16 (WeightQuantBatchMatmul) only so far"
+                     if options.target == "ascend" else "MindSpore CPU has no quantized matmul kernels")
+            raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX only ({where}); "
+                             "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16) for MINDIR")
         if model.quantization != "none" and options.baseline:
             raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
                              f"float32 weights; with model.quantization = {model.quantization!r} remove it "

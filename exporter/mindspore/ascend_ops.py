@@ -18,6 +18,7 @@ from mindspore.ops import auto_generate as prims
 
 from .common_ops import COMMON, Body
 from ...artifact.mindir import numpy_dtype
+from ...graphs.quant import from_graph
 from ...graphs import ops as op_set
 from ...graphs.ops.op import Lowering
 
@@ -207,6 +208,65 @@ class LinearW8A8Static(Body):
         return self.matmul(ops.cast(codes, mstype.int8), weight, deq_scale, None, quant_bias, None)
 
 
+class LinearBlockQuantized(Body):
+    """W8A16 (MindIE's A16W8): WeightQuantBatchMatmul on int8 codes [n, k] (ATB's layout, transpose_weight),
+    y = x @ ((codes + antiquant_offset) * antiquant_scale).T per group of `block_size` inputs. The weights
+    come as `ascend_block_arrays` writes them; a minimum (GGUF Q4_1's form) joins the offset as minimum / scale."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        # one group spanning the row is per-channel (group size 0); groups are multiples of 32 (ascend_block_arrays)
+        self.matmul = prims.WeightQuantBatchMatmul(False, True, 0 if attrs.block_size == attrs.K else attrs.block_size)
+
+    def construct(self, x, codes, scales, zero_points, minimum, bias):
+        return self.matmul(x, codes, scales, _antiquant_offset(zero_points, minimum, scales), None, None, bias)
+
+
+class GatherBlockQuantized(Body):
+    """Embedding rows of an int8 table: the rows' codes gathered, then (codes + offset) * scale per block."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.block_size, self.dtype = attrs.block_size, _ms_dtype(target.dtype)
+
+    def construct(self, codes, scales, zero_points, minimum, indices):
+        rows = ops.cast(ops.gather(codes, indices, 0), self.dtype)
+        tokens, width = rows.shape
+        blocks = (tokens, width // self.block_size, self.block_size)
+        offset = _antiquant_offset(zero_points, minimum, scales)
+        if offset is not None:
+            rows = ops.reshape(rows, blocks) + ops.expand_dims(ops.gather(offset, indices, 0), -1)
+        out = ops.reshape(rows, blocks) * ops.expand_dims(ops.gather(scales, indices, 0), -1)
+        return ops.reshape(out, (tokens, width))
+
+
+def _antiquant_offset(zero_points, minimum, scales):
+    """WeightQuantBatchMatmul's additive offset on the signed codes: the zero point's, plus minimum / scale."""
+    if minimum is None:
+        return zero_points
+    if zero_points is None:
+        return minimum / scales
+    return zero_points + minimum / scales
+
+
+def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
+                        minimum: np.ndarray | None, bits: int, block_size: int, dtype: str) -> list[np.ndarray | None]:
+    """A block-quantized weight's graph arrays (MatMulNBits' layout, graphs/quant.py) as the Ascend bodies take
+    them: signed int8 codes [n, k] (code - 2**(bits-1)), scales and minimum in the compute dtype, and for zero
+    points the offset 2**(bits-1) - zero_point on those codes (None where it is 0 everywhere)."""
+    if bits != 8:
+        raise ValueError(f"{bits}-bit codes: the Ascend lowering builds int8 weights only (WeightQuantBatchMatmul's "
+                         "int4 packing is not confirmed here); export w8a16 for Ascend")
+    if block_size % 32 and scales.shape[1] != 1:
+        raise ValueError(f"blocks of {block_size}: WeightQuantBatchMatmul takes groups of a multiple of 32 inputs")
+    w = from_graph(codes, scales, zero_points, minimum, bits, block_size)
+    compute = numpy_dtype(dtype)
+    offset = (1 << (bits - 1)) - w.zero_point.astype(np.float32)
+    return [(w.q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), w.scale.astype(compute),
+            None if zero_points is None else offset.astype(compute),
+            None if minimum is None else minimum.astype(compute)]
+
+
 MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     "mindspore-ascend", "exporter/mindspore/ascend_ops.py (shared: exporter/mindspore/common_ops.py)",
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
@@ -214,9 +274,7 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
      op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_BF16: ReshapeAndCache, op_set.PAGED_ATTENTION_BF16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,
-     op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static})
-for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
-    MINDSPORE_ASCEND.refuse(_op, "not built yet: WeightQuantBatchMatmul (W4A16/W8A16) takes MindIE's int8/int4 [k, n] "
-                                 "weights with antiquant scale/offset; export refuses mindir with a quantization")
+     op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static,
+     op_set.LINEAR_BLOCK_QUANTIZED: LinearBlockQuantized, op_set.GATHER_BLOCK_QUANTIZED: GatherBlockQuantized})
 MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
                                             "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")

@@ -26,6 +26,7 @@ from ...graphs import contract as c
 from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
+from ...graphs.quant import BlockQuantized, graph_arrays, graph_parts
 
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
 
@@ -35,6 +36,7 @@ class _Job:
     """What a compile worker needs, picklable: it builds its own cells and reads the weights back from `out`."""
 
     model: ModelConfig
+    forms: llama.WeightForms  # which linears are quantized (Ascend w8a16)
     block_size: int
     target: str
     dtype: str  # compute dtype
@@ -93,8 +95,10 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     model = checkpoint.config
     dtype = compute_dtype(target, model_dtype)
     caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
-    weights = {k: w.astype(numpy_dtype(dtype))
-               for k, w in llama.graph_weights(model, checkpoint.tensors, max_positions).items()}
+    graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions)
+    forms = llama.WeightForms.of(graph_weights)
+    weights = _target_arrays(graph_weights, dtype)
+    del graph_weights
     if "int8" in caches:
         from .ascend_ops import int8_cache_parameters
 
@@ -115,7 +119,7 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch, \
             tqdm(total=len(tasks), unit="gear", file=log, mininterval=1.0,
                  desc=f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}") as bar:
-        job = _Job(model, block_size, target, dtype, str(out), scratch, entries, pool_shape)
+        job = _Job(model, forms, block_size, target, dtype, str(out), scratch, entries, pool_shape)
         if workers == 1:
             ms = import_mindspore("--format mindir")
             previous = ms.get_context("jit_config")
@@ -141,9 +145,27 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     graphs = {cache: {family: {gear_key(g): done[cache, family, gear_key(g)].rel for g in family_gears}
                       for family, family_gears in gears.items()} for cache in caches}
     index = MindirIndex(target=target, dtype=dtype, inputs=first.inputs,
-                        weights={name: entries[name] for name in names}, pool_shape=pool_shape, graphs=graphs.pop(dtype), kv_cache_graphs=graphs)
+                        weights={name: entries[name] for name in names}, pool_shape=pool_shape,
+                        graphs=graphs.pop(dtype), kv_cache_graphs=graphs)
     (out / INDEX).write_text(index.to_json())
     return index
+
+
+def _target_arrays(weights: dict[str, Any], dtype: str) -> dict[str, np.ndarray]:
+    """The graph's parameters in the compute dtype; a block-quantized weight (Ascend w8a16) as the parts its
+    Ascend bodies take (ascend_ops.ascend_block_arrays), under graphs/quant.py's names."""
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        if not isinstance(w, BlockQuantized):
+            out[name] = np.asarray(w).astype(numpy_dtype(dtype))
+            continue
+        from .ascend_ops import ascend_block_arrays
+
+        gathered = name == "embed"
+        names, arrays = graph_parts(name, w, gathered), graph_arrays(name, w, gathered)
+        parts = ascend_block_arrays(*(None if n is None else arrays[n] for n in names), w.bits, w.block_size, dtype)
+        out.update({n: part for n, part in zip(names, parts) if n is not None and part is not None})
+    return out
 
 
 def default_workers(weight_bytes: int, target: str) -> int:
@@ -207,7 +229,7 @@ def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, weights: dict[str,
         lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
                                                                 logits=Float32Logits, dtype=job.dtype)
     builder = MindSporeBuilder(lowering, ms_target, weights_as_inputs=job.target == "cpu")
-    llama.build(builder, job.model, job.block_size, kv_cache_dtype=kv_cache_dtype)
+    llama.build(builder, job.model, job.block_size, job.forms, kv_cache_dtype)
     cell = load_cell_class(builder.source(), scratch / f"{job.target}_{family}_{kv_cache_dtype}.py")(builder.cells)
     if job.target == "ascend":
         from mindspore import Parameter

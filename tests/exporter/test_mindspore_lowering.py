@@ -13,7 +13,7 @@ from tests.mindspore_support import RecordingExecutor, export_artifact, require_
 require_mindspore()
 
 from pagedgraph.artifact.manifest import ArtifactError, Manifest  # noqa: E402
-from pagedgraph.artifact.mindir import INDEX, WEIGHTS, MindirIndex  # noqa: E402
+from pagedgraph.artifact.mindir import INDEX, WEIGHTS, MindirIndex, gear_key  # noqa: E402
 from pagedgraph.exporter.checkpoint import read_checkpoint  # noqa: E402
 from pagedgraph.exporter.mindspore.builder import MindSporeTarget  # noqa: E402
 from pagedgraph.exporter.mindspore.readback import read_ops  # noqa: E402
@@ -280,6 +280,39 @@ def test_ascend_int8_cache_parameters_are_the_calibrated_ones(ascend_caches: tup
     assert set(calibrated) == set(wide)
     for name, value in calibrated.items():
         np.testing.assert_allclose(wide[name], value, rtol=1e-3, err_msg=name)
+
+
+def test_ascend_w8a16_lowers_to_weight_quant_batch_matmul(checkpoint: Path, tmp_path: Path) -> None:
+    """w8a16 on Ascend: every linear is WeightQuantBatchMatmul on int8 codes [n, k] (transpose_weight) with
+    per-channel antiquant scales in the compute dtype, the embedding a gather of int8 rows; the stored codes and
+    scales are the export's round-to-nearest weights."""
+    from pagedgraph.exporter.quantize import quantize_weights
+
+    art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "bfloat16", "quantization": "w8a16"},
+                          mindir_workers=1)
+    index, model = MindirIndex.load(art), Manifest.load(art).model
+    records = read_ops(art / index.graphs[c.DECODE][gear_key(Gear(2, 2, 4))],
+                       {"WeightQuantBatchMatmul", "MatMul", "Gather"})
+    matmuls = [r for r in records if r.op_type == "WeightQuantBatchMatmul"]
+    print(f"\nWeightQuantBatchMatmul x{len(matmuls)}: {matmuls[0].arguments} dtypes {matmuls[0].dtypes} "
+          f"-> {matmuls[0].output_dtype}")
+    assert not [r for r in records if r.op_type == "MatMul"] and len(matmuls) == 4 * model.num_layers + 1
+    for r in matmuls:
+        args = r.arguments
+        assert (args["transpose_x"], args["transpose_weight"], args["antiquant_group_size"]) == (False, True, 0)
+        assert r.dtypes == {"x": "bfloat16", "weight": "int8", "antiquant_scale": "bfloat16"}
+        assert r.output_dtype == "bfloat16" and args["antiquant_offset"] is None  # zero point 128: signed codes
+        n, k = r.shapes["weight"]
+        assert r.shapes["antiquant_scale"] == (n, 1)
+    assert matmuls[-1].arguments["weight"] == "embed.codes"  # the tied LM head reads the embedding's codes
+    (embed,) = [r for r in records if r.op_type == "Gather" and r.arguments["input_params"] == "embed.codes"]
+    assert embed.dtypes["input_params"] == "int8"
+    weights = index.read_weights(art)
+    expected = quantize_weights(read_checkpoint(str(checkpoint)).tensors, "w8a16", 32)
+    rtn = expected["model.layers.0.self_attn.o_proj.weight"].dequantize()
+    stored = weights["layers.0.o_proj.codes"].astype(np.float32) * weights["layers.0.o_proj.scales"].astype(np.float32)
+    np.testing.assert_allclose(stored, rtn, rtol=1e-2, atol=1e-6)  # bfloat16 scales
 
 
 def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkpoint: Path) -> None:
