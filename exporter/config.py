@@ -86,8 +86,8 @@ class ExportOptions(Settings):
                                                "graph set each, sharing the weights; must include model.dtype "
                                                "(the default when left out)")
     kv_cache_calibration: str | None = Field(
-        None, description="text file the int8 cache scales are calibrated on (default: the calibration text "
-                          "shipped with pagedgraph)")
+        None, description="text file the int8 cache scales (and Ascend W8A8's static input scales) are calibrated "
+                          "on (default: the calibration text shipped with pagedgraph)")
     kv_cache_calibration_window: int = Field(512, ge=16, description="tokens per calibration window (one prompt each)")
 
     @model_validator(mode="after")
@@ -123,12 +123,13 @@ class ExportConfig(Settings):
             raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
                              f"(target {options.target}): {where}; nearest valid: float32, with quantization "
                              "w8a16 or gguf for smaller, faster weights")
-        ascend_w8a16 = options.target == "ascend" and model.quantization == "w8a16"
-        if model.quantization != "none" and "mindir" in options.formats and not ascend_w8a16:
-            where = ("the Ascend MINDIR builds w8a16 (WeightQuantBatchMatmul) only so far"
+        ascend_int8 = options.target == "ascend" and model.quantization in ("w8a16", "w8a8")
+        if model.quantization != "none" and "mindir" in options.formats and not ascend_int8:
+            where = ("the Ascend MINDIR builds w8a16 (WeightQuantBatchMatmul) and w8a8 (QuantBatchMatmul) only so far"
                      if options.target == "ascend" else "MindSpore CPU has no quantized matmul kernels")
             raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX only ({where}); "
-                             "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16) for MINDIR")
+                             "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16, w8a8) for "
+                             "MINDIR")
         if model.quantization != "none" and options.baseline:
             raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
                              f"float32 weights; with model.quantization = {model.quantization!r} remove it "

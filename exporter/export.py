@@ -24,7 +24,7 @@ from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
 from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig)
-from .kv_calibration import calibrate_kv_scales
+from .kv_calibration import calibrate_kv_scales, calibrate_linear_inputs
 from .onnx.contiguous import naive_model
 from .onnx.graph_builder import OnnxBuilder
 from .quantize import quantize_weights
@@ -35,6 +35,7 @@ from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
 
 from ..graphs.kv_cache import cache_format
+from ..graphs.quant import Int8PerChannel
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -64,8 +65,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     check_out_dir(out_dir, config.model.source, force)
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)
-    checkpoint = _quantized(read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf"),
-                            config, log)
+    raw = read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf")
+    checkpoint = _quantized(raw, config, log)
     model = checkpoint.config
     config = _implied_defaults(config, model, log)
     options = config.export
@@ -81,13 +82,16 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
             forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
             graph = staging / GRAPH
         kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration_text, log)
+        w8a8_inputs = _w8a8_inputs(raw, checkpoint, config, gears, calibration_text, log)
+        del raw
         if "onnx" in options.formats:
             _write_kv_variants(checkpoint, config, forms, staging, kv_scales)
         if "mindir" in options.formats:
             from .mindspore.export import write_mindir
 
             write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
-                         options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales)
+                         options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales,
+                         w8a8_inputs)
         if options.baseline == "naive":
             for kv_cache_dtype in options.kv_cache_dtypes:
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
@@ -243,6 +247,27 @@ def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tu
                                               options.kv_cache_calibration_window)
     print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     return scales
+
+
+def _w8a8_inputs(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
+                 calibration_text: str | None, log: TextIO) -> dict[str, tuple[float, int]]:
+    """Ascend W8A8 (MindIE's static form): each int8 linear's per-tensor input (scale, offset), calibrated on the
+    float32 graph of the unquantized checkpoint (written to a scratch folder) over the calibration text; {}
+    for every other export."""
+    options = config.export
+    if config.model.quantization != "w8a8" or options.target != "ascend" or "mindir" not in options.formats:
+        return {}
+    linears = [name for name, w in llama.graph_weights(checkpoint.config, checkpoint.tensors, 1).items()
+               if isinstance(w, Int8PerChannel)]
+    tokens, source = _calibration_tokens(raw, options.kv_cache_calibration, calibration_text)
+    with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
+        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, Path(scratch))
+        params, windows = calibrate_linear_inputs(Path(scratch) / GRAPH, raw.config, gears[c.PREFILL],
+                                                  options.block_size, tokens, options.kv_cache_calibration_window,
+                                                  linears)
+    print(f"calibrated W8A8 static input scales of {len(params)} linears on {source}: {len(tokens)} tokens in "
+          f"{windows} windows", file=log)
+    return params
 
 
 def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, forms: llama.WeightForms, out: Path,

@@ -1,4 +1,5 @@
-"""Per-channel int8 KV-cache scales, calibrated by running the float32 graph over a calibration text.
+"""Static int8 parameters calibrated by running the float32 graph over a calibration text: the KV cache's
+per-channel scales, and W8A8's per-tensor activation scales (MindIE's input_scale / input_offset).
 
 The text is cut into windows, each prefilled as its own sequence from position 0 (as prompts are
 served), and every layer's K and V rows are read back from the float32 pools. Each channel's
@@ -16,7 +17,7 @@ import numpy as np
 from ..graphs import contract as c
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
-from ..graphs.kv_cache import SCALE_FIELDS, int8_params, scale_weight_name
+from ..graphs.kv_cache import INT8_MAX, INT8_MIN, SCALE_FIELDS, int8_params, scale_weight_name
 
 
 def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str, np.ndarray]:
@@ -34,35 +35,85 @@ def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str,
     return feed
 
 
+def calibration_windows(token_ids: Sequence[int], window: int, gears: Sequence[Gear],
+                        block_size: int) -> list[Sequence[int]]:
+    """The calibration text cut into prompts of `window` tokens (at most what one prefill gear holds); a
+    trailing piece shorter than 16 tokens is dropped unless it is all there is."""
+    window = min(window, max(g.tokens for g in gears), max(g.blocks for g in gears) * block_size)
+    windows = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
+    windows = [w for w in windows if len(w) >= min(window, 16)] or windows[:1]
+    if not windows or not windows[0]:
+        raise ValueError("the calibration text is empty: give export.kv_cache_calibration a text file")
+    return windows
+
+
+def channel_ranges(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                   windows: Sequence[Sequence[int]], outputs: dict[str, int]
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-channel [min, max] of the float32 `graph`'s `outputs` over the calibration windows, each prefilled
+    on its own. `outputs`: name -> the row its window's first token lands in (pools: block_size; a graph
+    value of the step's tokens: 0); each window's rows follow."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = c.cache_names(model.num_layers)
+    ranges: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for tokens in windows:
+        gear = min(g for g in gears if g.tokens >= len(tokens) and g.blocks * block_size >= len(tokens))
+        pools = {name: np.zeros(((gear.blocks + 1) * block_size, model.kv_size), np.float32) for name in names}
+        values = session.run(list(outputs), {**window_feed(gear, tokens, block_size), **pools})
+        for (name, first), value in zip(outputs.items(), values):
+            rows = value[first:first + len(tokens)]
+            low, high = ranges.get(name, (np.full(rows.shape[1], np.inf, np.float32),
+                                          np.full(rows.shape[1], -np.inf, np.float32)))
+            ranges[name] = (np.minimum(low, rows.min(axis=0)), np.maximum(high, rows.max(axis=0)))
+    return ranges
+
+
 def calibrate_kv_scales(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
                         token_ids: Sequence[int], window: int) -> tuple[dict[str, np.ndarray], int]:
     """int8 scale parameters of every layer (graph parameter name -> array) from the float32 `graph`, and
     the number of windows they were fitted on."""
-    import onnxruntime as ort
-
-    prefill = list(gears)
-    window = min(window, max(g.tokens for g in prefill), max(g.blocks for g in prefill) * block_size)
-    windows = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
-    windows = [w for w in windows if len(w) >= min(window, 16)] or windows[:1]
-    if not windows or not windows[0]:
-        raise ValueError("the KV-cache calibration text is empty: give export.kv_cache_calibration a text file")
-    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    windows = calibration_windows(token_ids, window, gears, block_size)
     names = c.cache_names(model.num_layers)
-    low = {name: np.full(model.kv_size, np.inf, np.float32) for name in names}
-    high = {name: np.full(model.kv_size, -np.inf, np.float32) for name in names}
-    for tokens in windows:
-        gear = min(g for g in prefill if g.tokens >= len(tokens) and g.blocks * block_size >= len(tokens))
-        pools = {name: np.zeros(((gear.blocks + 1) * block_size, model.kv_size), np.float32) for name in names}
-        outputs = session.run([c.cache_output_name(n) for n in names], {**window_feed(gear, tokens, block_size), **pools})
-        for name, pool in zip(names, outputs):
-            rows = pool[block_size:block_size + len(tokens)]
-            low[name] = np.minimum(low[name], rows.min(axis=0))
-            high[name] = np.maximum(high[name], rows.max(axis=0))
+    ranges = channel_ranges(graph, model, gears, block_size, windows,
+                            {c.cache_output_name(n): block_size for n in names})
     weights: dict[str, np.ndarray] = {}
     for layer in range(model.num_layers):
         for kv, name in (("k", c.k_cache_name(layer)), ("v", c.v_cache_name(layer))):
-            params = int8_params(low[name], high[name])
+            params = int8_params(*ranges[c.cache_output_name(name)])
             for field in SCALE_FIELDS:
                 if field.startswith(kv + "_"):
                     weights[scale_weight_name(layer, field)] = params[field.split("_", 1)[1]]
     return weights, len(windows)
+
+
+def calibrate_linear_inputs(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                            token_ids: Sequence[int], window: int, linears: Sequence[str]
+                            ) -> tuple[dict[str, tuple[float, int]], int]:
+    """W8A8's static per-tensor activation parameters (MindIE's input_scale, input_offset) of each of
+    `linears` (graph weight names), from the range of its input over the calibration windows in the float32
+    `graph` (whose Gemm nodes read those weights), and the number of windows."""
+    import onnx
+
+    windows = calibration_windows(token_ids, window, gears, block_size)
+    proto = onnx.load_model(graph, load_external_data=False)
+    inputs = {node.input[1]: node.input[0] for node in proto.graph.node
+              if node.op_type == "Gemm" and node.input[1] in linears}
+    missing = sorted(set(linears) - set(inputs))
+    if missing:
+        raise ValueError(f"the calibration graph has no Gemm reading {missing}")
+    proto.graph.output.extend(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)
+                              for x in dict.fromkeys(inputs.values()))
+    probe = graph.with_name(f"{graph.stem}.calibration{graph.suffix}")  # beside the graph: its external weights
+    onnx.save_model(proto, probe)
+    try:
+        ranges = channel_ranges(probe, model, gears, block_size, windows, {x: 0 for x in inputs.values()})
+    finally:
+        probe.unlink()
+    params = {}
+    for name, x in inputs.items():
+        low, high = min(float(ranges[x][0].min()), 0.0), max(float(ranges[x][1].max()), 0.0)
+        scale = max((high - low) / (INT8_MAX - INT8_MIN), 1e-8)
+        params[name] = (scale, int(np.clip(np.rint(INT8_MIN - low / scale), INT8_MIN, INT8_MAX)))
+    return params, len(windows)

@@ -70,14 +70,21 @@ class WeightForms:
     quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
     accuracy_level: int = 0  # MatMulNBits' compute for the quantized linears (export.accuracy_level)
     w8a8: Mapping[str, Int8PerChannel] = field(default_factory=dict)  # Linear.w8a8 weights
+    # Ascend: Linear.w8a8 weights with calibrated static input (scale, offset) -> Linear.w8a8_static (MindIE)
+    w8a8_static: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0) -> "WeightForms":
+    def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0,
+           w8a8_static: Mapping[str, tuple[float, int]] | None = None) -> "WeightForms":
         return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level,
-                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)})
+                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)}, dict(w8a8_static or {}))
 
     def linear(self, b: OpBuilder[T], x: T, name: str, bias: T | None = None) -> T:
         int8 = self.w8a8.get(name)
+        if int8 is not None and name in self.w8a8_static:
+            y = b.emit(ops.LINEAR_W8A8_STATIC, x, *(b.weight(p) for p in quant.w8a8_static_parts(name)),
+                       K=int8.shape[1], N=int8.shape[0])
+            return y if bias is None else b.emit(ops.ADD, y, bias)
         if int8 is not None:
             codes, scale = quant.int8_graph_parts(name)
             return b.emit(ops.LINEAR_W8A8, x, b.weight(codes), b.weight(scale), bias, K=int8.shape[1],

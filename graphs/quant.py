@@ -205,6 +205,12 @@ def int8_graph_parts(name: str) -> list[str]:
     return [f"{name}.int8_t", f"{name}.scale"]
 
 
+def w8a8_static_parts(name: str) -> list[str]:
+    """Names of Linear.w8a8_static's weight inputs (MindIE's W8A8 tensors, graphs/ops/linear_w8a8_static.py)."""
+    return [f"{name}.weight", f"{name}.input_scale", f"{name}.input_offset", f"{name}.quant_bias",
+            f"{name}.deq_scale"]
+
+
 def int8_graph_arrays(name: str, w: Int8PerChannel) -> dict[str, np.ndarray]:
     codes, scale = int8_graph_parts(name)
     return {codes: np.ascontiguousarray(w.q.T), scale: np.ascontiguousarray(w.scale, np.float32)}

@@ -18,7 +18,8 @@ from mindspore.ops import auto_generate as prims
 
 from .common_ops import COMMON, Body
 from ...artifact.mindir import numpy_dtype
-from ...graphs.quant import from_graph
+from ...graphs.ops.linear_w8a8_static import mindie_tensors
+from ...graphs.quant import Int8PerChannel, from_graph
 from ...graphs import ops as op_set
 from ...graphs.ops.op import Lowering
 
@@ -265,6 +266,16 @@ def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.n
     return [(w.q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), w.scale.astype(compute),
             None if zero_points is None else offset.astype(compute),
             None if minimum is None else minimum.astype(compute)]
+
+
+def w8a8_static_arrays(w: Int8PerChannel, input_scale: float, input_offset: int, dtype: str) -> list[np.ndarray]:
+    """MindIE's W8A8 tensors of one linear as LinearW8A8Static takes them: int8 weight [n, k], input_scale and
+    input_offset [1] in the compute dtype (x's, for the quantization), int32 quant_bias, deq_scale int64
+    (float16 models) or float32 (bfloat16)."""
+    weight, scale, offset, quant_bias, deq_scale = mindie_tensors(w, None, input_scale, input_offset,
+                                                                  dtype == "float16")
+    compute = numpy_dtype(dtype)
+    return [weight, scale.astype(compute), offset.astype(compute), quant_bias, deq_scale]
 
 
 MINDSPORE_ASCEND: Lowering[Any] = Lowering(

@@ -26,7 +26,7 @@ from ...graphs import contract as c
 from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
-from ...graphs.quant import BlockQuantized, graph_arrays, graph_parts
+from ...graphs.quant import BlockQuantized, Int8PerChannel, graph_arrays, graph_parts, w8a8_static_parts
 
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
 
@@ -79,10 +79,12 @@ def cache_dtypes(target: str, model_dtype: str, kv_cache_dtypes: tuple[str, ...]
 def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max_positions: int, block_size: int,
                  target: str, out: Path, log: TextIO, workers: int | None = None, model_dtype: str = "float32",
                  kv_cache_dtypes: tuple[str, ...] = ("float32",),
-                 kv_scales: dict[str, np.ndarray] | None = None) -> MindirIndex:
+                 kv_scales: dict[str, np.ndarray] | None = None,
+                 w8a8_inputs: dict[str, tuple[float, int]] | None = None) -> MindirIndex:
     """Write graphs/mindir/ under `out` for every gear and cache dtype; returns the index it wrote.
 
-    `kv_scales`: the calibrated int8 KV-cache parameters (exporter/kv_calibration.py), needed for int8.
+    `kv_scales`: the calibrated int8 KV-cache parameters (exporter/kv_calibration.py), needed for int8;
+    `w8a8_inputs`: the int8 linears' calibrated static input (scale, offset), needed for Ascend W8A8.
 
     The gears compile in `workers` processes (default: `default_workers`, bounded by the cores and the
     available memory), each building a family's Cell once and reading the weights back from the shared
@@ -96,8 +98,8 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     dtype = compute_dtype(target, model_dtype)
     caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
     graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions)
-    forms = llama.WeightForms.of(graph_weights)
-    weights = _target_arrays(graph_weights, dtype)
+    forms = llama.WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
+    weights = _target_arrays(graph_weights, dtype, w8a8_inputs or {})
     del graph_weights
     if "int8" in caches:
         from .ascend_ops import int8_cache_parameters
@@ -151,11 +153,18 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     return index
 
 
-def _target_arrays(weights: dict[str, Any], dtype: str) -> dict[str, np.ndarray]:
+def _target_arrays(weights: dict[str, Any], dtype: str, w8a8_inputs: dict[str, tuple[float, int]]
+                   ) -> dict[str, np.ndarray]:
     """The graph's parameters in the compute dtype; a block-quantized weight (Ascend w8a16) as the parts its
-    Ascend bodies take (ascend_ops.ascend_block_arrays), under graphs/quant.py's names."""
+    Ascend bodies take (ascend_ops.ascend_block_arrays), an int8 one (Ascend w8a8) as MindIE's W8A8 tensors,
+    under graphs/quant.py's names."""
     out: dict[str, np.ndarray] = {}
     for name, w in weights.items():
+        if isinstance(w, Int8PerChannel):
+            from .ascend_ops import w8a8_static_arrays
+
+            out.update(zip(w8a8_static_parts(name), w8a8_static_arrays(w, *w8a8_inputs[name], dtype)))
+            continue
         if not isinstance(w, BlockQuantized):
             out[name] = np.asarray(w).astype(numpy_dtype(dtype))
             continue

@@ -315,6 +315,48 @@ def test_ascend_w8a16_lowers_to_weight_quant_batch_matmul(checkpoint: Path, tmp_
     np.testing.assert_allclose(stored, rtn, rtol=1e-2, atol=1e-6)  # bfloat16 scales
 
 
+def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """w8a8 on Ascend: q/k/v, o_proj and gate/up are QuantBatchMatmul with MindIE's tensors, their static input
+    scale/offset calibrated on the float32 graph (layer 0's input is RmsNorm of the embedding rows, so numpy
+    recomputes its range); down_proj and the tied LM head stay weight-only (WeightQuantBatchMatmul)."""
+    from tokenizers import Tokenizer
+
+    from pagedgraph.exporter.kv_calibration import calibration_windows
+
+    text = REPO / "pagedgraph" / "data" / "calibration.txt"
+    art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16", "quantization": "w8a8"},
+                          mindir_workers=1, kv_cache_calibration=str(text))
+    index, model = MindirIndex.load(art), Manifest.load(art).model
+    records = read_ops(art / index.graphs[c.PREFILL][gear_key(Gear(16, 2, 4))],
+                       {"QuantBatchMatmul", "WeightQuantBatchMatmul", "MatMul"})
+    static = [r for r in records if r.op_type == "QuantBatchMatmul"]
+    weight_only = [r for r in records if r.op_type == "WeightQuantBatchMatmul"]
+    print(f"\nQuantBatchMatmul x{len(static)}: {static[0].arguments} dtypes {static[0].dtypes} -> "
+          f"{static[0].output_dtype}\nWeightQuantBatchMatmul x{len(weight_only)}: {weight_only[0].arguments}")
+    assert len(static) == 3 * model.num_layers and len(weight_only) == model.num_layers + 1
+    assert not [r for r in records if r.op_type == "MatMul"]
+    assert [r.arguments["x2"] for r in static[:3]] == ["layers.0.qkv.weight", "layers.0.o_proj.weight",
+                                                      "layers.0.gate_up.weight"]
+    for r in static:
+        assert (r.arguments["transpose_x2"], r.arguments["dtype"], r.output_dtype) == (True, 42, "float16")
+        assert r.dtypes == {"x1": "int8", "x2": "int8", "scale": "int64", "bias": "int32"}
+    assert weight_only[0].arguments["weight"] == "layers.0.down.codes"
+    weights = index.read_weights(art)
+    assert weights["layers.0.qkv.input_scale"].dtype == np.float16
+    ck = read_checkpoint(str(checkpoint))
+    tokens = Tokenizer.from_str(ck.tokenizer.tokenizer_json).encode(text.read_text(), add_special_tokens=False).ids
+    windows = calibration_windows(tokens, 512, [Gear(16, 2, 4)], BLOCK)
+    x = ck.tensors["model.embed_tokens.weight"][np.concatenate(windows)].astype(np.float64)
+    normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + model.rms_norm_eps) \
+        * ck.tensors["model.layers.0.input_layernorm.weight"]
+    low, high = min(normed.min(), 0.0), max(normed.max(), 0.0)
+    scale = (high - low) / 255
+    np.testing.assert_allclose(float(weights["layers.0.qkv.input_scale"][0]), scale, rtol=1e-3)
+    assert float(weights["layers.0.qkv.input_offset"][0]) == np.rint(-128 - low / scale)
+
+
 def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkpoint: Path) -> None:
     from mindspore.train.mind_ir_pb2 import ModelProto
 
