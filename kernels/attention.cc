@@ -5,7 +5,8 @@
 // int8 is dequantized without a pass of its own: K's per-channel scale is folded into the query
 // (q . (s * (k - o)) = (q * s) . k - const, and softmax ignores a per-query constant, so K's offset drops
 // out), and V's scale and offset apply once per output row (sum_j p_j s (v_j - o) = s (sum_j p_j v_j - o)
-// for probabilities p that sum to one).
+// for probabilities p that sum to one). On AVX-512 VNNI, int8 decode rows score keys in integers
+// (see "int8 decode rows on AVX-512 VNNI").
 //
 // Contracts are those of the numpy references in graphs/ops: pools are [num_slots, kv_heads * head_dim]
 // rows, block tables map a sequence's block index to a pool block, and query rows are packed per
@@ -27,6 +28,10 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -355,6 +360,112 @@ void for_head_tiles(int64_t first, int64_t group, const Body &body) {
   }
 }
 
+// -- int8 decode rows on AVX-512 VNNI -------------------------------------------------------------
+// Widening every int8 key to float costs more than reading it, so with VNNI the scores stay integer:
+// each head's query (K's scale already folded in) is quantized to int8 in kQueryLevels levels, each
+// level quantizing what the ones before left over (q = sum_l step_l q_l, relative error ~ 254^-levels,
+// float32's own for 3), and a score is sum_l step_l (q_l . k) from exact int32 dot products, vpdpbusd
+// taking 64 key bytes at a time. vpdpbusd multiplies unsigned by signed bytes: keys are read as k + 128
+// (their sign bit flipped), and each level's accumulator starts at -128 sum(q_l) to take that off again.
+// A chunk's 16 key lines are transposed to 16 vectors of one 4-channel group of all 16 keys, so a
+// vpdpbusd against a broadcast query group yields 16 keys' partial scores and needs no horizontal sum.
+// The library is built for the machine it runs on (build.py: -march=native, CPU flags in the cache key),
+// so CPUs without VNNI compile the float path below instead.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PG_INT8_VNNI 1
+constexpr int64_t kQueryLevels = 3;
+constexpr int64_t kLineBytes = 64;  // one zmm of key bytes: 16 groups of 4 channels
+static_assert(kDecodeChunk == 16, "a chunk's keys are one vector of int32 scores");
+
+// One decode row's query in int8 levels: q[head][level][d] (d padded with zeros to whole lines),
+// step[head][level], and start[head][level] = -128 sum_d q_l[d].
+struct Int8Query {
+  const int8_t *q;
+  const float *step;
+  const int32_t *start;
+  int64_t padded_dim;
+};
+
+Int8Query int8_query(const float *query, int64_t heads, int64_t dim) {
+  const int64_t padded = (dim + kLineBytes - 1) / kLineBytes * kLineBytes;
+  thread_local std::vector<int8_t> levels;
+  thread_local std::vector<float> steps;  // then what the levels so far leave of the query
+  thread_local std::vector<int32_t> starts;
+  levels.assign(heads * kQueryLevels * padded, 0);
+  steps.resize(heads * kQueryLevels + dim);
+  starts.resize(heads * kQueryLevels);
+  float *left = steps.data() + heads * kQueryLevels;
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy(query + h * dim, query + (h + 1) * dim, left);
+    for (int64_t l = 0; l < kQueryLevels; ++l) {
+      float top = 0.f;
+      for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::fabs(left[d]));
+      const float step = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+      int8_t *q = levels.data() + (h * kQueryLevels + l) * padded;
+      int32_t sum = 0;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float level = std::clamp(std::nearbyint(left[d] * inv), -127.f, 127.f);
+        q[d] = static_cast<int8_t>(level);
+        sum += q[d];
+        left[d] -= level * step;
+      }
+      steps[h * kQueryLevels + l] = step;
+      starts[h * kQueryLevels + l] = -128 * sum;
+    }
+  }
+  return {levels.data(), steps.data(), starts.data(), padded};
+}
+
+// t[g] = [r[0].g, ..., r[15].g]: the 16 x 16 transpose of 32-bit groups (unpack 32, unpack 64, two
+// 128-bit shuffles); the last stage's outputs land at groups e, 8 + e, 4 + e, 12 + e.
+inline void transpose_groups(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int b = 0; b < 16; b += 4) {  // u[b + e]: lane L holds group 4L + e of keys b..b+3
+    u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]), u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+    u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]), u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_i32x4(v0, w0, 0x88), r[8 + e] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[4 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88), r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+// scores[h][j] = q_h . k_j for HB heads from `head` and the chunk's n keys (rows past n repeat the last:
+// masked later), in int32 per query level, then combined in float.
+template <int64_t HB>
+void int8_scores(const Int8Query &query, int64_t head, const int8_t *const *keys, int64_t offset, int64_t n,
+                 int64_t dim, float *scores) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[HB][kQueryLevels];
+  for (int64_t h = 0; h < HB; ++h)
+    for (int64_t l = 0; l < kQueryLevels; ++l) acc[h][l] = _mm512_set1_epi32(query.start[(head + h) * kQueryLevels + l]);
+  for (int64_t d = 0; d < dim; d += kLineBytes) {
+    const __mmask64 mask = dim - d >= kLineBytes ? ~__mmask64{0} : (__mmask64{1} << (dim - d)) - 1;
+    __m512i t[kDecodeChunk];
+    for (int64_t j = 0; j < kDecodeChunk; ++j)
+      t[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, keys[std::min(j, n - 1)] + offset + d), flip);
+    transpose_groups(t);
+    for (int64_t g = 0; g < kDecodeChunk; ++g)
+      for (int64_t h = 0; h < HB; ++h)
+        for (int64_t l = 0; l < kQueryLevels; ++l) {
+          int32_t group;
+          std::memcpy(&group, query.q + ((head + h) * kQueryLevels + l) * query.padded_dim + d + 4 * g, sizeof group);
+          acc[h][l] = _mm512_dpbusd_epi32(acc[h][l], t[g], _mm512_set1_epi32(group));
+        }
+  }
+  for (int64_t h = 0; h < HB; ++h) {
+    const float *step = query.step + (head + h) * kQueryLevels;
+    __m512 score = _mm512_setzero_ps();
+    for (int64_t l = 0; l < kQueryLevels; ++l)
+      score = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][l]), _mm512_set1_ps(step[l]), score);
+    _mm512_storeu_ps(scores + h * kDecodeChunk, score);
+  }
+}
+#endif
+
 // One query row (every head, `stride`-free: query and out point at the row) against keys [begin, end),
 // all visible. A split row's part leaves its softmax state in `partial` (see Partials) instead.
 template <class Rows>
@@ -369,6 +480,10 @@ void attend_row(const float *query, float *out, const Rows &kv, const pg_attenti
   std::fill(s.total, s.total + heads * kLanes, 0.f);
   std::fill(s.peak, s.peak + padded, -INFINITY);
   std::fill(s.correction, s.correction + padded, -INFINITY);
+#ifdef PG_INT8_VNNI
+  Int8Query int8{};
+  if constexpr (std::is_same_v<typename Rows::Elem, int8_t>) int8 = int8_query(s.query, heads, dim);
+#endif
   const int64_t width = dims.kv_head_num * dim;
   const typename Rows::Elem *keys[kDecodeChunk], *values[kDecodeChunk];
   for (int64_t j0 = begin; j0 < end; j0 += kDecodeChunk) {
@@ -377,6 +492,12 @@ void attend_row(const float *query, float *out, const Rows &kv, const pg_attenti
     for (int64_t j = 0; j < n; ++j) keys[j] = kv.k(j0 + j), values[j] = kv.v(j0 + j);
     for (int64_t k = 0; k < dims.kv_head_num; ++k)
       for_head_tiles(k * group, group, [&](int64_t head, auto tile) {
+#ifdef PG_INT8_VNNI
+        if constexpr (std::is_same_v<typename Rows::Elem, int8_t>) {
+          int8_scores<decltype(tile)::value>(int8, head, keys, k * dim, n, dim, s.scores + head * kDecodeChunk);
+          return;
+        }
+#endif
         row_scores<decltype(tile)::value>(s.query + head * dim, keys, k * dim, n, dim, s.scores + head * kDecodeChunk);
       });
     row_softmax(s, heads, n);

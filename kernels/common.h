@@ -8,6 +8,10 @@
 
 #include "kernels.h"
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace pg {
 
 // Records `message` for pg_last_error() (and stderr); returns the non-zero status to pass on.
@@ -68,6 +72,18 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(_Float16 x) { return static_cast<float>(x); }
 inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16); }
 
+// On x86 the widening loads are the AVX2/F16C instructions themselves: GCC 12 turns the generic
+// conversions of int8 and half vectors into a scalar convert per element.
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m128i load_bytes16(const void *p) { return _mm_loadu_si128(static_cast<const __m128i *>(p)); }
+inline __m128i load_bytes8(const void *p) { return _mm_loadl_epi64(static_cast<const __m128i *>(p)); }
+
+inline f32x8 load8(const int8_t *p) { return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p))); }
+
+inline f32x8 load8(const _Float16 *p) { return (f32x8)_mm256_cvtph_ps(load_bytes16(p)); }
+
+inline f32x8 load8(const bf16 *p) { return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_bytes16(p)), 16); }
+#else
 inline f32x8 load8(const int8_t *p) {
   i8x8 v;
   std::memcpy(&v, p, sizeof v);
@@ -85,6 +101,7 @@ inline f32x8 load8(const bf16 *p) {
   std::memcpy(&v, p, sizeof v);
   return __builtin_bit_cast(f32x8, __builtin_convertvector(v, i32x8) << 16);
 }
+#endif
 
 // float -> a 16-bit cache element, rounding to nearest even (as ONNX Cast and ml_dtypes do).
 inline void from_float(float x, float &out) { out = x; }
