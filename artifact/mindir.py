@@ -82,11 +82,15 @@ class MindirIndex:
                 for name, e in self.weights.items()}
 
 
+INT4X2 = "qint4x2"  # MindSpore's packed int4 (two codes a byte, the even one in the low nibble), stored as int8
+
+
 def numpy_dtype(name: str) -> np.dtype:
-    """A weight dtype by its name, bfloat16 included (ml_dtypes)."""
+    """A weight dtype by its name: bfloat16 (ml_dtypes), qint4x2's bytes (int8), or numpy's."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.int8) if name == INT4X2 \
+        else np.dtype(name)
 
 
 def gear_key(gear: Gear) -> str:

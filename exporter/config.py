@@ -123,13 +123,18 @@ class ExportConfig(Settings):
             raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
                              f"(target {options.target}): {where}; nearest valid: float32, with quantization "
                              "w8a16 or gguf for smaller, faster weights")
-        ascend_int8 = options.target == "ascend" and model.quantization in ("w8a16", "w8a8")
-        if model.quantization != "none" and "mindir" in options.formats and not ascend_int8:
-            where = ("the Ascend MINDIR builds w8a16 (WeightQuantBatchMatmul) and w8a8 (QuantBatchMatmul) only so far"
+        ascend_built = options.target == "ascend" and model.quantization in ("w8a16", "w4a16", "w8a8")
+        if model.quantization != "none" and "mindir" in options.formats and not ascend_built:
+            where = ("the Ascend MINDIR builds w8a16, w4a16 (WeightQuantBatchMatmul) and w8a8 (QuantBatchMatmul), "
+                     "not a GGUF's blocks"
                      if options.target == "ascend" else "MindSpore CPU has no quantized matmul kernels")
             raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX only ({where}); "
-                             "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16, w8a8) for "
-                             "MINDIR")
+                             "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16, w4a16, "
+                             "w8a8) for MINDIR")
+        if options.target == "ascend" and "mindir" in options.formats and model.quantization == "w4a16" \
+                and model.group_size % 32:
+            raise ValueError(f"model.group_size = {model.group_size}: Ascend's WeightQuantBatchMatmul takes groups "
+                             "of a multiple of 32 inputs; nearest valid: 32")
         if model.quantization != "none" and options.baseline:
             raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
                              f"float32 weights; with model.quantization = {model.quantization!r} remove it "

@@ -210,7 +210,7 @@ class LinearW8A8Static(Body):
 
 
 class LinearBlockQuantized(Body):
-    """W8A16 (MindIE's A16W8): WeightQuantBatchMatmul on int8 codes [n, k] (ATB's layout, transpose_weight),
+    """W8A16 / W4A16: WeightQuantBatchMatmul on int8 or int4 codes [n, k] (ATB's layout, transpose_weight),
     y = x @ ((codes + antiquant_offset) * antiquant_scale).T per group of `block_size` inputs. The weights
     come as `ascend_block_arrays` writes them; a minimum (GGUF Q4_1's form) joins the offset as minimum / scale."""
 
@@ -253,17 +253,19 @@ def _antiquant_offset(zero_points, minimum, scales):
 def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
                         minimum: np.ndarray | None, bits: int, block_size: int, dtype: str) -> list[np.ndarray | None]:
     """A block-quantized weight's graph arrays (MatMulNBits' layout, graphs/quant.py) as the Ascend bodies take
-    them: signed int8 codes [n, k] (code - 2**(bits-1)), scales and minimum in the compute dtype, and for zero
-    points the offset 2**(bits-1) - zero_point on those codes (None where it is 0 everywhere)."""
-    if bits != 8:
-        raise ValueError(f"{bits}-bit codes: the Ascend lowering builds int8 weights only (WeightQuantBatchMatmul's "
-                         "int4 packing is not confirmed here); export w8a16 for Ascend")
+    them: signed codes (code - 2**(bits-1)), int8 [n, k] or int4 packed two a byte [n, k / 2] (MindSpore's
+    qint4x2), scales and minimum in the compute dtype, and for zero points the offset 2**(bits-1) - zero_point
+    on those codes (None where it is 0 everywhere)."""
     if block_size % 32 and scales.shape[1] != 1:
         raise ValueError(f"blocks of {block_size}: WeightQuantBatchMatmul takes groups of a multiple of 32 inputs")
     w = from_graph(codes, scales, zero_points, minimum, bits, block_size)
     compute = numpy_dtype(dtype)
     offset = (1 << (bits - 1)) - w.zero_point.astype(np.float32)
-    return [(w.q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), w.scale.astype(compute),
+    signed = (w.q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    if bits == 4:  # qint4x2: two's-complement nibbles, the even code low (as MindFormers packs, unconfirmed here)
+        nibbles = signed.astype(np.uint8) & 0x0F
+        signed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(np.int8)
+    return [signed, w.scale.astype(compute),
             None if zero_points is None else offset.astype(compute),
             None if minimum is None else minimum.astype(compute)]
 

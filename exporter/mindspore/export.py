@@ -7,6 +7,7 @@ in the shared weights file. Ascend also writes one graph set per further KV-cach
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import tempfile
@@ -18,8 +19,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from ...artifact.manifest import kv_variant
-from ...artifact.mindir import (DIRECTORY, INDEX, WEIGHTS, MindirIndex, WeightEntry, gear_key, import_mindspore,
-                                numpy_dtype, write_weights)
+from ...artifact.mindir import (DIRECTORY, INDEX, INT4X2, WEIGHTS, MindirIndex, WeightEntry, gear_key,
+                                import_mindspore, numpy_dtype, write_weights)
 from ..checkpoint.base import Checkpoint
 from .builder import MindSporeBuilder, MindSporeTarget, load_cell_class, weight_attribute
 from ...graphs import contract as c
@@ -99,7 +100,8 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
     graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions)
     forms = llama.WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
-    weights = _target_arrays(graph_weights, dtype, w8a8_inputs or {})
+    int4: set[str] = set()
+    weights = _target_arrays(graph_weights, dtype, w8a8_inputs or {}, int4)
     del graph_weights
     if "int8" in caches:
         from .ascend_ops import int8_cache_parameters
@@ -109,6 +111,7 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
         weights.update(int8_cache_parameters(kv_scales, dtype))
     (out / DIRECTORY).mkdir(parents=True, exist_ok=True)
     entries = write_weights(out / WEIGHTS, weights)
+    entries.update({name: dataclasses.replace(entries[name], dtype=INT4X2) for name in int4})
     weight_bytes = sum(w.nbytes for w in weights.values())
     del weights  # the workers read them back from the file
     num_blocks = max(g.blocks for family in gears.values() for g in family) + 1  # nominal; bound at load
@@ -153,11 +156,11 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     return index
 
 
-def _target_arrays(weights: dict[str, Any], dtype: str, w8a8_inputs: dict[str, tuple[float, int]]
-                   ) -> dict[str, np.ndarray]:
+def _target_arrays(weights: dict[str, Any], dtype: str, w8a8_inputs: dict[str, tuple[float, int]],
+                   int4: set[str]) -> dict[str, np.ndarray]:
     """The graph's parameters in the compute dtype; a block-quantized weight (Ascend w8a16) as the parts its
     Ascend bodies take (ascend_ops.ascend_block_arrays), an int8 one (Ascend w8a8) as MindIE's W8A8 tensors,
-    under graphs/quant.py's names."""
+    under graphs/quant.py's names. The names of int4 codes (packed, qint4x2) are added to `int4`."""
     out: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         if isinstance(w, Int8PerChannel):
@@ -171,9 +174,13 @@ def _target_arrays(weights: dict[str, Any], dtype: str, w8a8_inputs: dict[str, t
         from .ascend_ops import ascend_block_arrays
 
         gathered = name == "embed"
+        if gathered and w.bits != 8:
+            raise ValueError(f"the {w.bits}-bit embedding ({w.source}): the Ascend gather reads int8 rows only")
         names, arrays = graph_parts(name, w, gathered), graph_arrays(name, w, gathered)
         parts = ascend_block_arrays(*(None if n is None else arrays[n] for n in names), w.bits, w.block_size, dtype)
         out.update({n: part for n, part in zip(names, parts) if n is not None and part is not None})
+        if w.bits == 4:
+            int4.add(names[0])
     return out
 
 
@@ -242,19 +249,14 @@ def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, weights: dict[str,
     cell = load_cell_class(builder.source(), scratch / f"{job.target}_{family}_{kv_cache_dtype}.py")(builder.cells)
     if job.target == "ascend":
         from mindspore import Parameter
+        from mindspore import dtype as mstype
         from mindspore.common.initializer import initializer
 
         for name in builder.weights:  # shapes only: the data is written once, to the shared weights file
-            w = weights[name]
-            setattr(cell, weight_attribute(name), Parameter(initializer("zeros", w.shape, _ms_dtype(w.dtype)),
-                                                            name=name))
+            w, entry = weights[name], job.entries[name]
+            dtype = getattr(mstype, entry.dtype or np.dtype(w.dtype).name)
+            setattr(cell, weight_attribute(name), Parameter(initializer("zeros", w.shape, dtype), name=name))
     return cell, builder
-
-
-def _ms_dtype(dtype: np.dtype) -> Any:
-    from mindspore import dtype as mstype
-
-    return getattr(mstype, np.dtype(dtype).name)
 
 
 def _example_args(ms: Any, gear: Gear, builder: MindSporeBuilder, pool_shape: tuple[int, ...], pool_dtype: np.dtype,

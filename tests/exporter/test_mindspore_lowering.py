@@ -282,37 +282,64 @@ def test_ascend_int8_cache_parameters_are_the_calibrated_ones(ascend_caches: tup
         np.testing.assert_allclose(wide[name], value, rtol=1e-3, err_msg=name)
 
 
-def test_ascend_w8a16_lowers_to_weight_quant_batch_matmul(checkpoint: Path, tmp_path: Path) -> None:
-    """w8a16 on Ascend: every linear is WeightQuantBatchMatmul on int8 codes [n, k] (transpose_weight) with
-    per-channel antiquant scales in the compute dtype, the embedding a gather of int8 rows; the stored codes and
-    scales are the export's round-to-nearest weights."""
+def _ascend_weight(weights: dict[str, np.ndarray], name: str, bits: int) -> np.ndarray:
+    """A weight as WeightQuantBatchMatmul computes it from the stored parts: (codes + offset) * scale per group,
+    the offset being the zero point's plus minimum / scale; int4 codes unpacked from qint4x2 (even one low)."""
+    codes = weights[f"{name}.codes"]
+    if bits == 4:
+        nibbles = codes.view(np.uint8)
+        codes = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(codes.shape[0], -1)
+        codes = np.where(codes > 7, codes.astype(np.int16) - 16, codes)
+    scale = weights[f"{name}.scales"].astype(np.float32)
+    offset = weights.get(f"{name}.zero_points", np.zeros_like(scale)).astype(np.float32)
+    if f"{name}.minimum" in weights:
+        offset = offset + weights[f"{name}.minimum"].astype(np.float32) / scale
+    group = codes.shape[1] // scale.shape[1]
+    return (codes.astype(np.float32) + np.repeat(offset, group, 1)) * np.repeat(scale, group, 1)
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("w8a16", "bfloat16"), ("w4a16", "float16")])
+def test_ascend_weight_only_lowers_to_weight_quant_batch_matmul(checkpoint: Path, tmp_path: Path, quantization: str,
+                                                                dtype: str) -> None:
+    """w8a16 / w4a16 on Ascend: every linear is WeightQuantBatchMatmul on int8 or qint4x2 codes [n, k]
+    (transpose_weight) with antiquant scales in the compute dtype (w8a16 per channel, w4a16 per group of 32 with
+    its minimum in the offset), the embedding a gather of int8 rows; the stored parts give back the export's
+    round-to-nearest weights."""
     from pagedgraph.exporter.quantize import quantize_weights
 
+    bits = 8 if quantization == "w8a16" else 4
     art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
-                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "bfloat16", "quantization": "w8a16"},
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": dtype, "quantization": quantization},
                           mindir_workers=1)
     index, model = MindirIndex.load(art), Manifest.load(art).model
     records = read_ops(art / index.graphs[c.DECODE][gear_key(Gear(2, 2, 4))],
                        {"WeightQuantBatchMatmul", "MatMul", "Gather"})
     matmuls = [r for r in records if r.op_type == "WeightQuantBatchMatmul"]
     print(f"\nWeightQuantBatchMatmul x{len(matmuls)}: {matmuls[0].arguments} dtypes {matmuls[0].dtypes} "
-          f"-> {matmuls[0].output_dtype}")
+          f"shapes {matmuls[0].shapes} -> {matmuls[0].output_dtype}")
     assert not [r for r in records if r.op_type == "MatMul"] and len(matmuls) == 4 * model.num_layers + 1
-    for r in matmuls:
+    layers, head = matmuls[:-1], matmuls[-1]
+    for r in layers:
         args = r.arguments
-        assert (args["transpose_x"], args["transpose_weight"], args["antiquant_group_size"]) == (False, True, 0)
-        assert r.dtypes == {"x": "bfloat16", "weight": "int8", "antiquant_scale": "bfloat16"}
-        assert r.output_dtype == "bfloat16" and args["antiquant_offset"] is None  # zero point 128: signed codes
-        n, k = r.shapes["weight"]
-        assert r.shapes["antiquant_scale"] == (n, 1)
-    assert matmuls[-1].arguments["weight"] == "embed.codes"  # the tied LM head reads the embedding's codes
+        n, packed_k = r.shapes["weight"]
+        assert (args["transpose_x"], args["transpose_weight"]) == (False, True) and r.output_dtype == dtype
+        if bits == 8:  # RTN int8: one scale per row, zero point 128 (signed codes, no offset)
+            assert args["antiquant_group_size"] == 0 and args["antiquant_offset"] is None
+            assert r.dtypes == {"x": dtype, "weight": "int8", "antiquant_scale": dtype}
+            assert r.shapes["antiquant_scale"] == (n, 1)
+        else:  # groups of 32 with the group's minimum
+            assert args["antiquant_group_size"] == 32 and args["antiquant_offset"] == "<Add>"
+            assert r.dtypes == {"x": dtype, "weight": "qint4x2", "antiquant_scale": dtype, "antiquant_offset": dtype}
+            assert r.shapes["antiquant_scale"] == (n, packed_k * 2 // 32)
+    assert head.arguments["weight"] == "embed.codes" and head.dtypes["weight"] == "int8"  # the tied LM head: int8
     (embed,) = [r for r in records if r.op_type == "Gather" and r.arguments["input_params"] == "embed.codes"]
     assert embed.dtypes["input_params"] == "int8"
     weights = index.read_weights(art)
-    expected = quantize_weights(read_checkpoint(str(checkpoint)).tensors, "w8a16", 32)
+    expected = quantize_weights(read_checkpoint(str(checkpoint)).tensors, quantization, 32)
     rtn = expected["model.layers.0.self_attn.o_proj.weight"].dequantize()
-    stored = weights["layers.0.o_proj.codes"].astype(np.float32) * weights["layers.0.o_proj.scales"].astype(np.float32)
-    np.testing.assert_allclose(stored, rtn, rtol=1e-2, atol=1e-6)  # bfloat16 scales
+    tolerance = 1e-2 if dtype == "bfloat16" else 2e-3  # the scales in the compute dtype
+    np.testing.assert_allclose(_ascend_weight(weights, "layers.0.o_proj", bits), rtn, rtol=tolerance,
+                               atol=tolerance * np.abs(rtn).max())
 
 
 def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(checkpoint: Path,
