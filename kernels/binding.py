@@ -139,6 +139,15 @@ def swiglu(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def block_minimum(y: np.ndarray, x: np.ndarray, minimum_t: np.ndarray, block_size: int) -> np.ndarray:
+    f = np.float32
+    out = np.empty_like(y)
+    _check(_library().pg_block_minimum(_ptr(y, f), _ptr(x, f), _ptr(minimum_t, f), _ptr(out, f),
+                                       ctypes.c_int64(y.shape[0]), ctypes.c_int64(y.shape[1]),
+                                       ctypes.c_int64(x.shape[1]), ctypes.c_int64(block_size), None))
+    return out
+
+
 def _rope_query_key(query: np.ndarray, key: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                     head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return rope(query, cos, sin, head_dim), rope(key, cos, sin, head_dim)
@@ -156,7 +165,8 @@ KERNELS: Lowering[KernelBody] = Lowering(
     "kernels", "kernels/*.cc (C API: kernels/kernels.h, ctypes: kernels/binding.py)",
     {**{write: _body(reshape_and_cache) for write, _ in ops.KV_CACHE_OPS.values()},
      **{attend: _body(paged_attention) for _, attend in ops.KV_CACHE_OPS.values()},
-     ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu)},
+     ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu),
+     ops.BLOCK_MINIMUM: _body(block_minimum)},
     partial=True)
 
 

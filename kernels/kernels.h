@@ -58,4 +58,9 @@ int pg_rope(const float *x, const float *cos, const float *sin, float *out, int6
 
 // out [tokens, width] = silu(gate) * up for x = [gate | up] [tokens, 2 * width]; width a multiple of 8.
 int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const pg_runner *runner);
+
+// out [tokens, n] = y + (x [tokens, k] summed over blocks of block_size) @ minimum_t [k / block_size, n]
+// (the minimum term of a GGUF Q4_1 / Q4_K linear); at most 1,024 blocks.
+int pg_block_minimum(const float *y, const float *x, const float *minimum_t, float *out, int64_t tokens, int64_t n,
+                     int64_t k, int64_t block_size, const pg_runner *runner);
 }

@@ -1,6 +1,6 @@
-// ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope and
-// SwiGLU, each ONE call into our kernels instead of the standard ops of its model-local function body
-// (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU).
+// ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope, SwiGLU
+// and BlockMinimum, each ONE call into our kernels instead of the standard ops of its model-local function
+// body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum).
 //
 // ONNX Runtime prefers a registered kernel to a model-local function of the same domain and name, so
 // exported graphs keep their portable bodies and registering this library is a pure speed-up. Only the
@@ -355,6 +355,35 @@ struct SwiGLU {
   }
 };
 
+// y + blocksum(x) @ minimum_t: the minimum term of a Q4_1 / Q4_K linear beside MatMulNBits.
+struct BlockMinimum {
+  static constexpr const char *name = "BlockMinimum";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  int64_t block_size = 0;
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    return api->KernelInfoGetAttribute_int64(info, "block_size", &block_size);
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> y, x, minimum_t;
+    RETURN_IF_ERROR(get_inputs(context, y, x, minimum_t));
+    RETURN_IF_ERROR(check_shape("y", y.shape, {-1, -1}));
+    const int64_t tokens = y.shape[0], n = y.shape[1];
+    RETURN_IF_ERROR(check_shape("x", x.shape, {tokens, -1}));
+    if (block_size <= 0 || x.shape[1] % block_size)
+      return invalid("x width " + std::to_string(x.shape[1]) + " is not a multiple of block_size " +
+                     std::to_string(block_size));
+    RETURN_IF_ERROR(check_shape("minimum_t", minimum_t.shape, {x.shape[1] / block_size, n}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, y.shape, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(
+        pg_block_minimum(y.data, x.data, minimum_t.data, out, tokens, n, x.shape[1], block_size, &runner));
+  }
+};
+
 // How many leading inputs of `Kernel` are required: `Kernel::required` where it has optional trailing ones.
 template <class Kernel, class = void>
 struct Required {
@@ -412,6 +441,7 @@ CustomOp<ReshapeAndCache> reshape_and_cache_op;
 CustomOp<SelfAttention> self_attention_op;
 CustomOp<Rope> rope_op;
 CustomOp<SwiGLU> swiglu_op;
+CustomOp<BlockMinimum> block_minimum_op;
 
 }  // namespace
 
@@ -429,7 +459,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
   for (OrtCustomOp *op : {static_cast<OrtCustomOp *>(&paged_attention_op),
                           static_cast<OrtCustomOp *>(&reshape_and_cache_op),
                           static_cast<OrtCustomOp *>(&self_attention_op), static_cast<OrtCustomOp *>(&rope_op),
-                          static_cast<OrtCustomOp *>(&swiglu_op)}) {
+                          static_cast<OrtCustomOp *>(&swiglu_op),
+                          static_cast<OrtCustomOp *>(&block_minimum_op)}) {
     if (OrtStatus *status = api->CustomOpDomain_Add(domain, op)) {
       api->ReleaseCustomOpDomain(domain);
       return status;

@@ -26,5 +26,5 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
     # One ReshapeAndCache and one PagedAttention struct serve every cache dtype (the pools' element type is
     # read per call; int8's parameters are the trailing optional inputs).
     {op: CustomKernel(op) for op in (*(op for pair in ops.KV_CACHE_OPS.values() for op in pair), ops.SELF_ATTENTION,
-                                     ops.ROPE, ops.SWIGLU)},
+                                     ops.ROPE, ops.SWIGLU, ops.BLOCK_MINIMUM)},
     fallback="onnx")

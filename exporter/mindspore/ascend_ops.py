@@ -289,5 +289,8 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
      op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,
      op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static,
      op_set.LINEAR_BLOCK_QUANTIZED: LinearBlockQuantized, op_set.GATHER_BLOCK_QUANTIZED: GatherBlockQuantized})
+MINDSPORE_ASCEND.refuse(op_set.BLOCK_MINIMUM, "the Ascend Linear.block_quantized body takes a minimum into "
+                                             "WeightQuantBatchMatmul's antiquant offset; BlockMinimum is the ONNX "
+                                             "body's exact term")
 MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
                                             "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")

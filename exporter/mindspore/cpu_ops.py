@@ -108,7 +108,7 @@ MINDSPORE_CPU: Lowering[Any] = Lowering(
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
      op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention})
-for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED):
+for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set.BLOCK_MINIMUM):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no 4/8-bit weight matmul kernel; quantized artifacts are ONNX only "
                               "(export refuses mindir with a quantization)")
 MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend only; the CPU graphs use "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from onnx import FunctionProto, helper
@@ -117,16 +118,18 @@ def _swiglu(n: Nodes) -> list[str]:
 
 
 _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
-    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
+    ops.BLOCK_MINIMUM: quantized.block_minimum, ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
     **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
     **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
 }
+_FUNCTION_BODIES = {op: Function(op, body) for op, body in _FUNCTIONS.items()}
 ONNX: Lowering[OnnxBody] = Lowering(
     "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",
     {ops.GATHER: _gather, ops.ADD: _add, ops.SPLIT: _split, ops.LINEAR: _linear,
-     ops.LINEAR_BLOCK_QUANTIZED: quantized.linear_block_quantized,
+     ops.LINEAR_BLOCK_QUANTIZED: partial(quantized.linear_block_quantized,
+                                         block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: quantized.linear_w8a8,
-     **{op: Function(op, body) for op, body in _FUNCTIONS.items()}})
+     **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")

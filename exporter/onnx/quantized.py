@@ -2,21 +2,22 @@
 
 Linear: MatMulNBits(x, codes, scales[, zero points]) runs the blocks as they are (ORT's MLAS kernel; the
 op's inputs are already in its layout). A form with a per-block minimum (GGUF Q4_1, Q4_K) adds
-sum_b(x over block b) * minimum[n, b]: MatMulNBits has no additive term, and folding the minimum into a float
-zero point would round it (and drops MLAS's int8 path), so the minimum stays exact as a second, block_size
-times smaller matmul over the block sums.
+sum_b(x over block b) * minimum[n, b] as one BlockMinimum node (graphs/ops/block_minimum.py; pagedgraph's
+custom op, else its function body): MatMulNBits has no additive term, and folding the minimum into a float
+zero point would round it (and drops MLAS's int8 path), so the minimum stays exact.
 
 Gather: rows of the codes (the SAME initializer the tied LM head's MatMulNBits reads) are gathered, then
 dequantized in gguf's order of operations ((code - zero point) * scale + minimum).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 from onnx import TensorProto
 
 from .nodes import Nodes
+from ...graphs.ops.block_minimum import BlockMinimumAttributes
 from ...graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
 
 MS_DOMAIN = "com.microsoft"
@@ -29,7 +30,9 @@ class OnnxGraph(Protocol):
     opsets: dict[str, int]
 
 
-def linear_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:
+def linear_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any, *,
+                           block_minimum: Callable[[Any, Sequence[str], Any], Sequence[str]]) -> list[str]:
+    """`block_minimum` is BlockMinimum's body (exporter/onnx/lowering.py binds it: the function lives there)."""
     x, codes, scales, zero_points, minimum, bias = inputs
     n = g.n
     g.opsets.setdefault(MS_DOMAIN, 1)
@@ -37,10 +40,17 @@ def linear_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: An
     out = n.op("MatMulNBits", *nbits_inputs, domain=MS_DOMAIN, K=attrs.K, N=attrs.N, bits=attrs.bits,
                block_size=attrs.block_size, accuracy_level=attrs.accuracy_level)
     if minimum:
-        blocks = attrs.K // attrs.block_size
-        sums = n.op("ReduceSum", n.op("Reshape", x, n.const([0, blocks, attrs.block_size])), n.const([2]), keepdims=0)
-        out = n.op("Add", out, n.op("MatMul", sums, n.op("Transpose", minimum, perm=[1, 0])))
+        minimum_t = n.op("Transpose", minimum, perm=[1, 0])  # ONNX Runtime folds it into an initializer
+        out = block_minimum(g, [out, x, minimum_t], BlockMinimumAttributes(attrs.block_size))[0]
     return [n.op("Add", out, bias) if bias else out]
+
+
+def block_minimum(n: Nodes) -> list[str]:
+    """BlockMinimum's function body: y + ReduceSum(x in blocks) @ minimum_t."""
+    block = n.unsqueeze(n.attr_const("block_size", "int"), [0])
+    blocks = n.op("Reshape", "x", n.op("Concat", n.const([0, -1]), block, axis=0))
+    sums = n.op("ReduceSum", blocks, n.const([2]), keepdims=0)
+    return [n.op("Add", "y", n.op("MatMul", sums, "minimum_t"))]
 
 
 def gather_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:

@@ -84,6 +84,26 @@ def test_gguf_artifact_holds_the_files_blocks_and_matches_dequantized_fp32(tmp_p
     assert np.abs(logits["gguf"] - logits["none"]).max() <= 1e-5 * np.abs(logits["none"]).max()
 
 
+def test_q4_1_minimum_is_one_block_minimum_node_and_kernel_and_body_match_fp32(tmp_path: Path,
+                                                                              custom_op_library: Path) -> None:
+    """Each Q4_1 linear is MatMulNBits plus ONE BlockMinimum node; with pagedgraph's kernels registered and with
+    the function bodies inlined, the logits match the dequantized fp32 artifact's."""
+    _tiny_quantized_gguf(tmp_path / "tiny.gguf", Q.Q4_1)
+    tokens = [1, 2, 3, 4, 1, 3, 2]
+    fp32 = _export_tiny(tmp_path, "none")
+    reference = _prefill_logits(onnx.load_model(tmp_path / "none" / GRAPH), fp32, tokens)
+    manifest = _export_tiny(tmp_path, "gguf")
+    model = onnx.load_model(tmp_path / "gguf" / GRAPH)
+    nodes = [n.op_type for n in model.graph.node]
+    assert nodes.count("BlockMinimum") == nodes.count("MatMulNBits") == 2 * 4 + 1  # and the Q4_1 LM head
+    assert "ReduceSum" not in nodes
+    body = _prefill_logits(model, manifest, tokens)
+    kernel = _prefill_logits(model, manifest, tokens, custom_op_library)
+    scale = np.abs(reference).max()
+    for logits in (body, kernel):  # summation order only (the kernels' own, measured 9e-6 of the largest logit)
+        assert np.abs(logits - reference).max() <= 1e-5 * scale
+
+
 def _export_tiny(tmp_path: Path, quantization: str) -> Manifest:
     """tmp_path/tiny.gguf exported with `quantization` into tmp_path/<quantization>, one small gear per family."""
     config = ExportConfig.model_validate({"model": {"source": str(tmp_path / "tiny.gguf"), "quantization": quantization},
@@ -116,9 +136,14 @@ def test_w8a8_artifact_holds_int8_per_channel_weights_and_tracks_fp32(tmp_path: 
     assert np.abs(logits["w8a8"] - logits["none"]).max() <= 0.15 * np.abs(logits["none"]).max()
 
 
-def _prefill_logits(model: onnx.ModelProto, manifest: Manifest, tokens: list[int]) -> np.ndarray:
-    """One sequence's prefill through the artifact's graph, all rows' logits (one row per position)."""
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def _prefill_logits(model: onnx.ModelProto, manifest: Manifest, tokens: list[int],
+                    custom_ops: Path | None = None) -> np.ndarray:
+    """One sequence's prefill through the artifact's graph (with the custom-op library `custom_ops` registered,
+    if given), all rows' logits (one row per position)."""
+    options = ort.SessionOptions()
+    if custom_ops is not None:
+        options.register_custom_ops_library(str(custom_ops))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     t, bs = len(tokens), manifest.block_size
     feed = {c.INPUT_IDS: np.array(tokens, np.int64), c.POSITIONS: np.arange(t, dtype=np.int64),
             c.SLOT_MAPPING: bs + np.arange(t, dtype=np.int64), c.BLOCK_TABLES: np.array([[1]], np.int32),
