@@ -1,12 +1,13 @@
 """The export YAML: which checkpoint, which targets, which bucket ladders."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from ..artifact.settings import Settings
 from ..graphs.kv_cache import KV_CACHE_DTYPES, KVCacheDType
+from ..kernels.build import onednn_missing
 
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
@@ -116,13 +117,28 @@ class ExportConfig(Settings):
     def _precision_fits_targets(self) -> "ExportConfig":
         model, options = self.model, self.export
         ascend_mindir = options.target == "ascend" and options.formats == ["mindir"]
-        if model.dtype != "float32" and not ascend_mindir:
+        # bfloat16 ONNX graphs run every linear in oneDNN's bf16 GEMM (Linear.bfloat16); MINDIR beside them only
+        # for the Ascend target (MindSpore CPU computes float32).
+        bf16_onnx = (model.dtype == "bfloat16" and "onnx" in options.formats
+                     and ("mindir" not in options.formats or options.target == "ascend"))
+        if model.dtype != "float32" and not ascend_mindir and not bf16_onnx:
             where = ("the ONNX graphs compute in float32; the Ascend MINDIR alone (export.formats [mindir]) computes "
-                     f"in {model.dtype}" if options.target == "ascend" else
-                     "ONNX Runtime has no bfloat16/float16 MatMul kernel on x86 and MindSpore CPU none either")
+                     f"in {model.dtype} (bfloat16 ONNX graphs run oneDNN's GEMM)" if options.target == "ascend" else
+                     "ONNX Runtime has no float16 MatMul kernel on x86 (bfloat16 runs oneDNN's, in the ONNX graphs) "
+                     "and MindSpore CPU computes float32")
             raise ValueError(f"model.dtype = {model.dtype!r} is not built for formats {options.formats} "
-                             f"(target {options.target}): {where}; nearest valid: float32, with quantization "
-                             "w8a16 or gguf for smaller, faster weights")
+                             f"(target {options.target}): {where}; nearest valid: bfloat16 with export.formats [onnx] "
+                             "(oneDNN's bf16 GEMM), or float32 with quantization w8a16 or gguf")
+        if bf16_onnx:
+            if model.quantization != "none":
+                raise ValueError(f"model.dtype = 'bfloat16' with model.quantization = {model.quantization!r}: "
+                                 "the quantized linears compute with float32 activations (MatMulNBits / "
+                                 "MatMulIntegerToFloat); nearest valid: quantization none (bfloat16 weights), or "
+                                 f"dtype float32 with quantization {model.quantization!r}")
+            missing = onednn_missing()
+            if missing:
+                raise ValueError(f"model.dtype = 'bfloat16' runs its GEMMs in pagedgraph's oneDNN custom op, which "
+                                 f"cannot be built here: {missing}; nearest valid: float32 (or quantization w8a16)")
         ascend_built = options.target == "ascend" and model.quantization in ("w8a16", "w4a16", "w8a8")
         if model.quantization != "none" and "mindir" in options.formats and not ascend_built:
             where = ("the Ascend MINDIR builds w8a16, w4a16 (WeightQuantBatchMatmul) and w8a8 (QuantBatchMatmul), "
@@ -135,10 +151,10 @@ class ExportConfig(Settings):
                 and model.group_size % 32:
             raise ValueError(f"model.group_size = {model.group_size}: Ascend's WeightQuantBatchMatmul takes groups "
                              "of a multiple of 32 inputs; nearest valid: 32")
-        if model.quantization != "none" and options.baseline:
+        if (model.quantization != "none" or model.dtype != "float32") and options.baseline:
             raise ValueError(f"export.baseline = {options.baseline!r} is the float32 naive baseline and reads "
-                             f"float32 weights; with model.quantization = {model.quantization!r} remove it "
-                             "(bench a float32 artifact for the baseline)")
+                             f"float32 weights; with model.dtype = {model.dtype!r}, model.quantization = "
+                             f"{model.quantization!r} remove it (bench a float32 artifact for the baseline)")
         return self
 
     @model_validator(mode="after")

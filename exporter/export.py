@@ -79,7 +79,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
         graph = None
         if "onnx" in options.formats:
-            forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, staging)
+            forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level,
+                                config.model.dtype, staging)
             graph = staging / GRAPH
         kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration_text, log)
         w8a8_inputs = _w8a8_inputs(raw, checkpoint, config, gears, calibration_text, log)
@@ -216,13 +217,14 @@ def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int,
+def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, dtype: str,
                 out: Path) -> llama.WeightForms:
-    """GRAPH and WEIGHTS; returns the weights' forms (the KV-cache variants are built with the same)."""
-    weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions)
+    """GRAPH (its KV cache in the compute dtype, kv_cache.dtype auto) and WEIGHTS; returns the weights' forms
+    (the other KV-cache variants are built with the same)."""
+    weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions, dtype)
     forms = llama.WeightForms.of(weights, accuracy_level)
-    builder = OnnxBuilder(checkpoint.config, llama.graph_arrays(weights))
-    llama.build(builder, checkpoint.config, block_size, forms)
+    builder = OnnxBuilder(checkpoint.config, llama.graph_arrays(weights), dtype)  # pools of the compute dtype
+    llama.build(builder, checkpoint.config, block_size, forms, dtype)
     model = builder.model("pagedgraph")
     onnx.checker.check_model(model, full_check=True)
     (out / GRAPH).parent.mkdir(parents=True)

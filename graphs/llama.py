@@ -15,6 +15,7 @@ from . import contract as c
 from . import ops, quant
 from .config import ModelConfig
 from .kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
+from .ops.linear_bf16 import BFLOAT16, to_bfloat16
 from .ops.op import OpBuilder
 from .quant import BlockQuantized, Int8PerChannel, Weight, concat_rows
 from .rope_tables import rope_tables
@@ -22,10 +23,17 @@ from .rope_tables import rope_tables
 T = TypeVar("T")
 
 
-def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int) -> dict[str, Weight]:
+# The weights a `model.dtype: bfloat16` graph stores as bfloat16: every linear's and the embedding (the tied LM
+# head's table). Norm weights, biases and the rope tables stay float32, as their ops compute in float32.
+BF16_WEIGHTS = ("embed", "lm_head", "qkv", "o_proj", "gate_up", "down")
+
+
+def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int,
+                  dtype: str = "float32") -> dict[str, Weight]:
     """Canonical checkpoint tensors -> the graph's parameters (fused QKV and gate/up, rope tables).
 
-    Block-quantized weights stay quantized (fused along their rows); `graph_arrays` lays them out for a graph."""
+    Block-quantized weights stay quantized (fused along their rows); `graph_arrays` lays them out for a graph.
+    With `dtype` bfloat16 the float linears and the embedding are rounded to bfloat16 (BF16_WEIGHTS)."""
     cos, sin = rope_tables(config, max_positions)
     weights: dict[str, Weight] = {
         "embed": tensors["model.embed_tokens.weight"],
@@ -46,8 +54,12 @@ def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positi
         weights[dst + "post_norm"] = tensors[f"{src}post_attention_layernorm.weight"]
         weights[dst + "gate_up"] = concat_rows([tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]])
         weights[dst + "down"] = tensors[f"{src}mlp.down_proj.weight"]
-    return {name: w if isinstance(w, (BlockQuantized, Int8PerChannel)) else np.ascontiguousarray(w, dtype=np.float32)
-            for name, w in weights.items()}
+    out = {name: w if isinstance(w, (BlockQuantized, Int8PerChannel)) else np.ascontiguousarray(w, dtype=np.float32)
+           for name, w in weights.items()}
+    if dtype == "bfloat16":
+        out.update({name: to_bfloat16(w) for name, w in out.items()
+                    if isinstance(w, np.ndarray) and name.rsplit(".", 1)[-1] in BF16_WEIGHTS})
+    return out
 
 
 def graph_arrays(weights: Mapping[str, Weight]) -> dict[str, np.ndarray]:
@@ -65,21 +77,27 @@ def graph_arrays(weights: Mapping[str, Weight]) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class WeightForms:
-    """Which graph weights are block-quantized (and their form), so `build` emits their op variants."""
+    """Which graph weights are block-quantized (and their form) or bfloat16, so `build` emits their op variants."""
 
     quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
     accuracy_level: int = 0  # MatMulNBits' compute for the quantized linears (export.accuracy_level)
     w8a8: Mapping[str, Int8PerChannel] = field(default_factory=dict)  # Linear.w8a8 weights
     # Ascend: Linear.w8a8 weights with calibrated static input (scale, offset) -> Linear.w8a8_static (MindIE)
     w8a8_static: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    bfloat16: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # Linear/Gather.bfloat16: name -> shape
 
     @classmethod
     def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0,
            w8a8_static: Mapping[str, tuple[float, int]] | None = None) -> "WeightForms":
         return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level,
-                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)}, dict(w8a8_static or {}))
+                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)}, dict(w8a8_static or {}),
+                   {k: w.shape for k, w in weights.items() if isinstance(w, np.ndarray) and w.dtype == BFLOAT16})
 
     def linear(self, b: OpBuilder[T], x: T, name: str, bias: T | None = None) -> T:
+        shape = self.bfloat16.get(name)
+        if shape is not None:
+            y = b.emit(ops.LINEAR_BF16, x, b.weight(name), K=shape[1], N=shape[0])
+            return y if bias is None else b.emit(ops.ADD, y, bias)
         int8 = self.w8a8.get(name)
         if int8 is not None and name in self.w8a8_static:
             y = b.emit(ops.LINEAR_W8A8_STATIC, x, *(b.weight(p) for p in quant.w8a8_static_parts(name)),
@@ -96,6 +114,8 @@ class WeightForms:
                       bits=w.bits, block_size=w.block_size, accuracy_level=self.accuracy_level)
 
     def gather(self, b: OpBuilder[T], name: str, indices: T) -> T:
+        if name in self.bfloat16:
+            return b.emit(ops.GATHER_BF16, b.weight(name), indices)
         w = self.quantized.get(name)
         if w is None:
             return b.emit(ops.GATHER, b.weight(name), indices)

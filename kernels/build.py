@@ -1,7 +1,9 @@
 """Compile the kernel sources next to this file into shared libraries, once per source version.
 
 Two libraries: the kernels (ctypes, MindSpore AOT) and the ONNX Runtime custom-op library (the
-same kernels behind ORT's C API, built against a header from ort_headers). Each lands in a
+same kernels behind ORT's C API, built against a header from ort_headers). Where oneDNN's headers are
+installed (Debian's libdnnl-dev), the custom-op library also gets Linear.bf16 (onednn_linear.cc), linked
+to the system's libdnnl; without them it is built without that op (`onednn_missing` says why). Each lands in a
 per-user cache directory keyed by a hash of its sources, headers and flags, so the exporter and
 the runtime on one machine share it and an edited source or another ORT header rebuilds it. The
 build writes to a temporary name and renames it, so concurrent first uses never load half a file.
@@ -24,9 +26,16 @@ LIBRARY = "libpagedgraph_kernels.so"
 ORT_LIBRARY = "libpagedgraph_ort.so"
 # Each library's own entry points; every other .cc next to this file is a kernel source both link.
 ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
-# Only RegisterCustomOps is exported: ORT loads the library beside the kernels library, whose
-# pg_* symbols must not bind to this copy's (or the reverse).
+# Only RegisterCustomOps (and PgBf16LinearImplementations) is exported: ORT loads the library beside the
+# kernels library, whose pg_* symbols must not bind to this copy's (or the reverse).
 ORT_FLAGS = ("-fvisibility=hidden",)
+# Compiled into the custom-op library only, and only with oneDNN: the kernels library must not need libdnnl.
+ONEDNN_SOURCE = "onednn_linear.cc"
+ONEDNN_HEADER = "oneapi/dnnl/dnnl.hpp"
+ONEDNN_FLAGS = ("-DPG_WITH_ONEDNN",)
+ONEDNN_LINK = ("-ldnnl",)
+# The compiler's default include directories, where `apt-get install libdnnl-dev` puts the headers.
+_SYSTEM_INCLUDES = (Path("/usr/include"), Path("/usr/local/include"))
 
 
 class KernelBuildError(RuntimeError):
@@ -57,26 +66,41 @@ def _fingerprint(command: list[str], inputs: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None) -> Path:
-    """The library `name` (its entry point plus the kernel sources), compiled on first use.
+def onednn_include() -> Path | None:
+    """The include directory holding oneDNN's C++ header, or None."""
+    return next((d for d in _SYSTEM_INCLUDES if (d / ONEDNN_HEADER).is_file()), None)
+
+
+def onednn_missing() -> str | None:
+    """Why the custom-op library has no oneDNN Linear.bf16 here (None: it has)."""
+    if onednn_include() is None:
+        return (f"oneDNN's headers ({ONEDNN_HEADER}) are not installed: `apt-get install libdnnl-dev` "
+                "(Debian's oneDNN, which pagedgraph's bfloat16 GEMM calls)")
+    return None
+
+
+def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None,
+           extra: tuple[str, ...] = (), link: tuple[str, ...] = (), headers: tuple[Path, ...] = ()) -> Path:
+    """The library `name` (its entry point, the kernel sources and `extra` sources), compiled on first use.
 
     The cache key covers the compiler, flags, CPU features and the content of every source and
-    header here, and of `include`'s onnxruntime_c_api.h: its path is a machine detail, its version is not.
+    header here, of `include`'s onnxruntime_c_api.h and of `headers` (a library's version header): their
+    paths are machine details, their versions are not.
     """
-    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in ENTRY_POINTS.values())
-    sources = [ENTRY_POINTS[name], *kernels]
-    inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h"))
+    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in (*ENTRY_POINTS.values(), ONEDNN_SOURCE))
+    sources = [ENTRY_POINTS[name], *kernels, *extra]
+    inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h")) + list(headers)
     if include:
         inputs.append(include / HEADER)
     compiler = _compiler()
-    target = cache_root() / "kernels" / _fingerprint([compiler, *FLAGS, *flags, *sources], inputs) / name
+    target = cache_root() / "kernels" / _fingerprint([compiler, *FLAGS, *flags, *sources, *link], inputs) / name
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=name, dir=target.parent)
     os.close(fd)
     includes = ["-I", str(HERE)] + (["-I", str(include)] if include else [])
-    command = [compiler, *FLAGS, *flags, *includes, *(str(HERE / s) for s in sources), "-o", partial]
+    command = [compiler, *FLAGS, *flags, *includes, *(str(HERE / s) for s in sources), *link, "-o", partial]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         os.unlink(partial)
@@ -92,4 +116,8 @@ def library_path() -> Path:
 
 def ort_library_path() -> Path:
     """The ONNX Runtime custom-op library; raises ort_headers.OrtHeaderError when no header is found."""
-    return _build(ORT_LIBRARY, ORT_FLAGS, include_dir(cache_root()))
+    onednn = onednn_include()
+    if onednn is None:
+        return _build(ORT_LIBRARY, ORT_FLAGS, include_dir(cache_root()))
+    return _build(ORT_LIBRARY, ORT_FLAGS + ONEDNN_FLAGS, include_dir(cache_root()), extra=(ONEDNN_SOURCE,),
+                  link=ONEDNN_LINK, headers=(onednn / "oneapi/dnnl/dnnl_version.h",))

@@ -1,6 +1,8 @@
 // ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope, SwiGLU
 // and BlockMinimum, each ONE call into our kernels instead of the standard ops of its model-local function
-// body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum).
+// body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum);
+// with oneDNN (PG_WITH_ONEDNN), Linear.bfloat16 too, whose body's Cast + Gemm would run ORT's float32 GEMM on
+// widened weights (ORT has no bf16 GEMM on x86).
 //
 // ONNX Runtime prefers a registered kernel to a model-local function of the same domain and name, so
 // exported graphs keep their portable bodies and registering this library is a pure speed-up. Only the
@@ -17,6 +19,9 @@
 
 #include "kernels.h"
 #include "onnxruntime_c_api.h"
+#ifdef PG_WITH_ONEDNN
+#include "onednn_linear.h"
+#endif
 
 #if ORT_API_VERSION < 17
 #error "onnxruntime_c_api.h predates ORT_API_VERSION 17 (KernelContext_ParallelFor): use onnxruntime 1.17 or newer"
@@ -34,6 +39,7 @@ const OrtApi *api = nullptr;
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr auto BF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // a KV pool: any cache dtype, read per call
 
 OrtStatus *invalid(const std::string &message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message.c_str()); }
@@ -384,6 +390,45 @@ struct BlockMinimum {
   }
 };
 
+#ifdef PG_WITH_ONEDNN
+// Linear.bfloat16 (graphs/ops/linear_bf16.py): y = bf16(x) @ weight^T, weight bfloat16 [N, K], on oneDNN's
+// matmul (kernels/onednn_linear.cc: ORT's threads; an initializer's weights are prepacked once).
+struct Linear {
+  static constexpr const char *name = "Linear";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, BF16};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  int64_t k = 0, n = 0;
+  pg_bf16_linear *linear = nullptr;
+
+  Linear() = default;
+  Linear(const Linear &) = delete;
+  Linear &operator=(const Linear &) = delete;
+  ~Linear() { pg_bf16_linear_destroy(linear); }
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "K", &k));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "N", &n));
+    int constant = 0;
+    const OrtValue *weight;
+    RETURN_IF_ERROR(api->KernelInfoGetConstantInput_tensor(info, 1, &constant, &weight));
+    linear = pg_bf16_linear_create(k, n, constant != 0);
+    return linear ? nullptr : invalid(pg_last_error());
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> x;
+    Input<uint16_t> weight;
+    RETURN_IF_ERROR(get_inputs(context, x, weight));
+    RETURN_IF_ERROR(check_shape("x", x.shape, {-1, k}));
+    RETURN_IF_ERROR(check_shape("weight", weight.shape, {n, k}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, {x.shape[0], n}, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_bf16_linear_run(linear, x.data, x.shape[0], weight.data, out, &runner));
+  }
+};
+#endif
+
 // How many leading inputs of `Kernel` are required: `Kernel::required` where it has optional trailing ones.
 template <class Kernel, class = void>
 struct Required {
@@ -442,6 +487,9 @@ CustomOp<SelfAttention> self_attention_op;
 CustomOp<Rope> rope_op;
 CustomOp<SwiGLU> swiglu_op;
 CustomOp<BlockMinimum> block_minimum_op;
+#ifdef PG_WITH_ONEDNN
+CustomOp<Linear> linear_op;
+#endif
 
 }  // namespace
 
@@ -460,11 +508,25 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
                           static_cast<OrtCustomOp *>(&reshape_and_cache_op),
                           static_cast<OrtCustomOp *>(&self_attention_op), static_cast<OrtCustomOp *>(&rope_op),
                           static_cast<OrtCustomOp *>(&swiglu_op),
-                          static_cast<OrtCustomOp *>(&block_minimum_op)}) {
+                          static_cast<OrtCustomOp *>(&block_minimum_op),
+#ifdef PG_WITH_ONEDNN
+                          static_cast<OrtCustomOp *>(&linear_op),
+#endif
+                         }) {
     if (OrtStatus *status = api->CustomOpDomain_Add(domain, op)) {
       api->ReleaseCustomOpDomain(domain);
       return status;
     }
   }
   return api->AddCustomOpDomain(options, domain);
+}
+
+// The oneDNN implementations Linear.bf16's primitives use so far and oneDNN's version ("" before the first
+// run, or without oneDNN): `pagedgraph bench` records it as the kernel that ran (runtime/bench/kernels.py).
+extern "C" __attribute__((visibility("default"))) const char *PgBf16LinearImplementations() {
+#ifdef PG_WITH_ONEDNN
+  return pg_bf16_linear_implementations();
+#else
+  return "";
+#endif
 }

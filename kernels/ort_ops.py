@@ -19,6 +19,7 @@ class CustomKernel:
 
     op: Op
     source: str = "kernels/ort_ops.cc"
+    onednn: bool = False  # built only where oneDNN is installed (kernels/build.py: onednn_missing)
 
 
 ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
@@ -28,3 +29,4 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
     {op: CustomKernel(op) for op in (*(op for pair in ops.KV_CACHE_OPS.values() for op in pair), ops.SELF_ATTENTION,
                                      ops.ROPE, ops.SWIGLU, ops.BLOCK_MINIMUM)},
     fallback="onnx")
+ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "kernels/onednn_linear.cc", onednn=True))

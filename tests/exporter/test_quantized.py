@@ -192,7 +192,11 @@ def test_rtn_quantizers_keep_every_weight_within_half_a_step() -> None:
 
 @pytest.mark.parametrize(("data", "says"), [
     ({"model": {"source": "some/hf_dir", "quantization": "gguf"}}, "not a .gguf file; nearest valid: w4a16"),
-    ({"model": {"dtype": "bfloat16"}}, "model.dtype = 'bfloat16' is not built .* nearest valid: float32"),
+    ({"model": {"dtype": "bfloat16"}, "export": {"formats": ["onnx", "mindir"]}},
+     "model.dtype = 'bfloat16' is not built .* nearest valid: bfloat16 with export.formats \\[onnx\\]"),
+    ({"model": {"dtype": "float16"}}, "model.dtype = 'float16' is not built .* nearest valid: bfloat16"),
+    ({"model": {"dtype": "bfloat16", "quantization": "w8a16"}}, "float32 activations .* nearest valid: quantization none"),
+    ({"model": {"dtype": "bfloat16"}, "export": {"baseline": "naive"}}, "export.baseline = 'naive'"),
     ({"model": {"dtype": "float16"}, "export": {"formats": ["onnx", "mindir"], "target": "ascend"}},
      "the ONNX graphs compute in float32; the Ascend MINDIR alone"),
     ({"export": {"formats": ["mindir"], "target": "ascend", "kv_cache_dtypes": ["float32", "bfloat16"]}},

@@ -227,6 +227,14 @@ def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def _custom_op_library(op: Op, request: pytest.FixtureRequest) -> Path:
+    """The custom-op library; an op built only with oneDNN (Linear.bfloat16) also needs oneDNN's headers."""
+    from pagedgraph.kernels.ort_ops import ORT_CUSTOM_OPS
+
+    needs_onednn = ORT_CUSTOM_OPS.own(op).onednn
+    return request.getfixturevalue("onednn_custom_op_library" if needs_onednn else "custom_op_library")
+
+
 @pytest.mark.parametrize("lowering,op,example", list(_cases()))
 def test_body_equals_reference(lowering: str, op: Op, example: Example, tmp_path: Path,
                                request: pytest.FixtureRequest) -> None:
@@ -235,8 +243,7 @@ def test_body_equals_reference(lowering: str, op: Op, example: Example, tmp_path
     expected = op.run_reference(example.inputs, attrs)
     runners: dict[str, Callable[[], Any]] = {
         "onnx": lambda: _run_onnx(op, example),
-        "onnxruntime-custom": lambda: _run_onnx(op, example, request.getfixturevalue("custom_op_library"),
-                                                tmp_path / "profile"),
+        "onnxruntime-custom": lambda: _run_onnx(op, example, _custom_op_library(op, request), tmp_path / "profile"),
         "mindspore-cpu": lambda: _run_mindspore_cpu(op, example),
         "kernels": lambda: _run_kernels(op, example),
     }

@@ -2,7 +2,9 @@
 
 The reference (tests/data/reference_smollm2.json) comes from scripts/make_reference.py; it is
 compared token for token, except after a step where the reference's own top-2 logit gap is
-below 1e-3 (a near tie that fp32 summation order may flip).
+below 1e-3 (a near tie that fp32 summation order may flip). A bfloat16 artifact rounds every linear's
+operands to 8 significant bits (relative 2^-9): its logits move by a few hundredths, so there a
+divergence is allowed where HF's gap is below BF16_NEAR_TIE.
 """
 from __future__ import annotations
 
@@ -11,17 +13,22 @@ from pathlib import Path
 
 import pytest
 
+from pagedgraph.runtime.bench.kernels import onednn_implementations
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.paths import DATA
 
 NEAR_TIE = 1e-3
+# Divergences of the bfloat16 artifact from HF fp32 measured at HF top-2 gaps of 0.005-0.044 (docs/performance.md,
+# Precision, bfloat16); 0.1 is about twice the largest, far below the typical gap between greedy choices.
+BF16_NEAR_TIE = 0.1
 
 
-def _matches_reference(got: list[int], want: list[int], gaps: list[float]) -> tuple[bool, str]:
+def _matches_reference(got: list[int], want: list[int], gaps: list[float], near_tie: float = NEAR_TIE
+                       ) -> tuple[bool, str]:
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            return gaps[i] < NEAR_TIE, f"diverges at step {i} (ours {a}, HF {b}, HF top-2 gap {gaps[i]:.2e})"
+            return gaps[i] < near_tie, f"diverges at step {i} (ours {a}, HF {b}, HF top-2 gap {gaps[i]:.2e})"
     return len(got) == len(want), f"{len(got)} tokens vs {len(want)}"
 
 
@@ -39,7 +46,13 @@ def test_gguf_blocks_with_float32_compute_match_hf(smollm2_gguf_artifact: Path, 
     _staggered_arrivals_match_hf(smollm2_gguf_artifact, reference)
 
 
-def _staggered_arrivals_match_hf(artifact: Path, reference: list[dict]) -> None:
+def test_bfloat16_greedy_follows_hf_up_to_bf16_near_ties(smollm2_bf16_artifact: Path, reference: list[dict]) -> None:
+    """oneDNN's bf16 GEMMs (Linear.bfloat16) and a bfloat16 KV cache; HF ran fp32 on the same weights."""
+    _staggered_arrivals_match_hf(smollm2_bf16_artifact, reference, BF16_NEAR_TIE)
+    assert onednn_implementations(), "no oneDNN primitive ran: the linears took their ONNX function bodies"
+
+
+def _staggered_arrivals_match_hf(artifact: Path, reference: list[dict], near_tie: float = NEAR_TIE) -> None:
     engine = LLMEngine(artifact, EngineConfig(max_num_batched_tokens=1024, threads=2))
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     pending = list(enumerate(reference))
@@ -59,7 +72,7 @@ def _staggered_arrivals_match_hf(artifact: Path, reference: list[dict]) -> None:
     failures = []
     for request_id, tokens in results.items():
         ref = reference[ids[request_id]]
-        ok, why = _matches_reference(tokens, ref["token_ids"], ref["top2_gap"])
+        ok, why = _matches_reference(tokens, ref["token_ids"], ref["top2_gap"], near_tie)
         if not ok:
             failures.append(f"request {ids[request_id]} ({len(ref['prompt_token_ids'])} prompt tokens): {why}")
     assert len(results) == len(reference)
