@@ -17,21 +17,32 @@ TEST_EXPORT = {
         "baseline": "naive",  # graphs/naive.onnx for tests/runtime/test_bench.py (shares weights.bin, adds ~2 s)
     }
 }
-REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact"}  # fixtures of the real model: their tests are `e2e`
+# Fixtures of the real model: their tests are `e2e`.
+REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact"}
+
+
+def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, name: str,
+                         config: dict) -> Path:
+    """The real model exported with `config` once per session; the directory in `reuse_env`, when set and
+    already exported with the same settings, is reused (and written there when empty)."""
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
+
+    reuse = os.environ.get(reuse_env)
+    if reuse and Path(reuse, "manifest.json").is_file():
+        return Path(reuse)
+    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / name
+    export(ExportConfig.model_validate(config), out, log=io.StringIO())
+    return out
+
+
+_NO_BASELINE = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported once. PAGEDGRAPH_TEST_ARTIFACT reuses a directory exported with TEST_EXPORT."""
-    from pagedgraph.exporter.config import ExportConfig
-    from pagedgraph.exporter.export import export
-
-    reuse = os.environ.get("PAGEDGRAPH_TEST_ARTIFACT")
-    if reuse and Path(reuse, "manifest.json").is_file():
-        return Path(reuse)
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2"
-    export(ExportConfig.model_validate(TEST_EXPORT), out, log=io.StringIO())
-    return out
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_ARTIFACT", "smollm2", TEST_EXPORT)
 
 
 @pytest.fixture(scope="session")
@@ -39,17 +50,8 @@ def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported with `quantization: gguf` (its own Q4_1/Q8_0 blocks), float32 compute.
 
     PAGEDGRAPH_TEST_GGUF_ARTIFACT reuses a directory exported with the same settings."""
-    from pagedgraph.exporter.config import ExportConfig
-    from pagedgraph.exporter.export import export
-
-    reuse = os.environ.get("PAGEDGRAPH_TEST_GGUF_ARTIFACT")
-    if reuse and Path(reuse, "manifest.json").is_file():
-        return Path(reuse)
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2-gguf"
-    options = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
-    config = {"model": {"quantization": "gguf"}, "export": {**options, "accuracy_level": 0}}
-    export(ExportConfig.model_validate(config), out, log=io.StringIO())
-    return out
+    config = {"model": {"quantization": "gguf"}, "export": {**_NO_BASELINE, "accuracy_level": 0}}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_GGUF_ARTIFACT", "smollm2-gguf", config)
 
 
 @pytest.fixture(scope="session")
@@ -57,16 +59,8 @@ def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custo
     """The real model exported with `dtype: bfloat16` (bfloat16 weights, oneDNN GEMMs, a bfloat16 KV cache).
 
     PAGEDGRAPH_TEST_BF16_ARTIFACT reuses a directory exported with the same settings."""
-    from pagedgraph.exporter.config import ExportConfig
-    from pagedgraph.exporter.export import export
-
-    reuse = os.environ.get("PAGEDGRAPH_TEST_BF16_ARTIFACT")
-    if reuse and Path(reuse, "manifest.json").is_file():
-        return Path(reuse)
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / "smollm2-bf16"
-    options = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
-    export(ExportConfig.model_validate({"model": {"dtype": "bfloat16"}, "export": options}), out, log=io.StringIO())
-    return out
+    config = {"model": {"dtype": "bfloat16"}, "export": _NO_BASELINE}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_BF16_ARTIFACT", "smollm2-bf16", config)
 
 
 @pytest.fixture(scope="session")
