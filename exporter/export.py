@@ -243,7 +243,8 @@ def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tu
     tokens, source = _calibration_tokens(checkpoint, options.kv_cache_calibration, calibration_text)
     with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
         if graph is None:
-            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, Path(scratch))
+            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, "float32",
+                        Path(scratch))
             graph = Path(scratch) / GRAPH
         scales, windows = calibrate_kv_scales(graph, model, gears[c.PREFILL], options.block_size, tokens,
                                               options.kv_cache_calibration_window)
@@ -263,7 +264,7 @@ def _w8a8_inputs(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
                if isinstance(w, Int8PerChannel)]
     tokens, source = _calibration_tokens(raw, options.kv_cache_calibration, calibration_text)
     with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
-        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, Path(scratch))
+        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, "float32", Path(scratch))
         params, windows = calibrate_linear_inputs(Path(scratch) / GRAPH, raw.config, gears[c.PREFILL],
                                                   options.block_size, tokens, options.kv_cache_calibration_window,
                                                   linears)
