@@ -89,6 +89,10 @@ class ExportOptions(Settings):
     kv_cache_calibration: str | None = Field(
         None, description="text file the int8 cache scales (and Ascend W8A8's static input scales) are calibrated "
                           "on (default: the calibration text shipped with pagedgraph)")
+    w8a8_smoothing: float | None = Field(
+        0.8, ge=0.0, le=1.0, description="Ascend w8a8 (static activation scales): SmoothQuant's migration strength "
+                                         "alpha for the norm-fed linears (null: no migration); 0.8 by measurement "
+                                         "(docs/performance.md, W8A8 on Ascend)")
     kv_cache_calibration_window: int = Field(512, ge=16, description="tokens per calibration window (one prompt each)")
 
     @model_validator(mode="after")

@@ -24,10 +24,11 @@ from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
 from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig)
-from .kv_calibration import calibrate_kv_scales, calibrate_linear_inputs
+from .kv_calibration import calibrate_kv_scales, linear_input_ranges, static_input_params
 from .onnx.contiguous import naive_model
 from .onnx.graph_builder import OnnxBuilder
 from .quantize import quantize_weights
+from .smoothquant import smooth
 from .tokenizer_files import write_tokenizer
 from ..graphs import contract as c
 from ..graphs import llama
@@ -83,14 +84,14 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                                 config.model.dtype, staging)
             graph = staging / GRAPH
         kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration_text, log)
-        w8a8_inputs = _w8a8_inputs(raw, checkpoint, config, gears, calibration_text, log)
+        mindir_checkpoint, w8a8_inputs = _w8a8_static(raw, checkpoint, config, gears, calibration_text, log)
         del raw
         if "onnx" in options.formats:
             _write_kv_variants(checkpoint, config, forms, staging, kv_scales)
         if "mindir" in options.formats:
             from .mindspore.export import write_mindir
 
-            write_mindir(checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
+            write_mindir(mindir_checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
                          options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales,
                          w8a8_inputs)
         if options.baseline == "naive":
@@ -252,25 +253,31 @@ def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tu
     return scales
 
 
-def _w8a8_inputs(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
-                 calibration_text: str | None, log: TextIO) -> dict[str, tuple[float, int]]:
-    """Ascend W8A8 (MindIE's static form): each int8 linear's per-tensor input (scale, offset), calibrated on the
-    float32 graph of the unquantized checkpoint (written to a scratch folder) over the calibration text; {}
-    for every other export."""
+def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
+                 calibration_text: str | None, log: TextIO) -> tuple[Checkpoint, dict[str, tuple[float, int]]]:
+    """Ascend W8A8 (MindIE's static form): the checkpoint the MINDIR quantizes (norm-fed linears smoothed,
+    exporter/smoothquant.py) and each int8 linear's per-tensor input (scale, offset), calibrated on the float32
+    graph of the unquantized checkpoint (written to a scratch folder) over the calibration text; every other
+    export: `checkpoint` as it is and {}."""
     options = config.export
     if config.model.quantization != "w8a8" or options.target != "ascend" or "mindir" not in options.formats:
-        return {}
+        return checkpoint, {}
     linears = [name for name, w in llama.graph_weights(checkpoint.config, checkpoint.tensors, 1).items()
                if isinstance(w, Int8PerChannel)]
     tokens, source = _calibration_tokens(raw, options.kv_cache_calibration, calibration_text)
     with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
-        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, "float32", Path(scratch))
-        params, windows = calibrate_linear_inputs(Path(scratch) / GRAPH, raw.config, gears[c.PREFILL],
-                                                  options.block_size, tokens, options.kv_cache_calibration_window,
-                                                  linears)
-    print(f"calibrated W8A8 static input scales of {len(params)} linears on {source}: {len(tokens)} tokens in "
-          f"{windows} windows", file=log)
-    return params
+        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, "float32",
+                    Path(scratch))
+        ranges, windows = linear_input_ranges(Path(scratch) / GRAPH, raw.config, gears[c.PREFILL], options.block_size,
+                                              tokens, options.kv_cache_calibration_window, linears)
+    smoothed = dict(raw.tensors)
+    if options.w8a8_smoothing is not None:
+        smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
+    print(f"calibrated W8A8 static input scales of {len(ranges)} linears on {source}: {len(tokens)} tokens in "
+          f"{windows} windows; SmoothQuant alpha {options.w8a8_smoothing}", file=log)
+    quantized = _quantized(Checkpoint(config=raw.config, tensors=smoothed, tokenizer=raw.tokenizer,
+                                      source=raw.source), config, log)
+    return quantized, {name: static_input_params(*ranges[name]) for name in linears}
 
 
 def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, forms: llama.WeightForms, out: Path,

@@ -88,12 +88,11 @@ def calibrate_kv_scales(graph: Path, model: ModelConfig, gears: Sequence[Gear], 
     return weights, len(windows)
 
 
-def calibrate_linear_inputs(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                            token_ids: Sequence[int], window: int, linears: Sequence[str]
-                            ) -> tuple[dict[str, tuple[float, int]], int]:
-    """W8A8's static per-tensor activation parameters (MindIE's input_scale, input_offset) of each of
-    `linears` (graph weight names), from the range of its input over the calibration windows in the float32
-    `graph` (whose Gemm nodes read those weights), and the number of windows."""
+def linear_input_ranges(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                        token_ids: Sequence[int], window: int, linears: Sequence[str]
+                        ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
+    """Per-channel [min, max] of the input of each of `linears` (graph weight names) over the calibration
+    windows in the float32 `graph` (whose Gemm nodes read those weights), and the number of windows."""
     import onnx
 
     windows = calibration_windows(token_ids, window, gears, block_size)
@@ -111,9 +110,12 @@ def calibrate_linear_inputs(graph: Path, model: ModelConfig, gears: Sequence[Gea
         ranges = channel_ranges(probe, model, gears, block_size, windows, {x: 0 for x in inputs.values()})
     finally:
         probe.unlink()
-    params = {}
-    for name, x in inputs.items():
-        low, high = min(float(ranges[x][0].min()), 0.0), max(float(ranges[x][1].max()), 0.0)
-        scale = max((high - low) / (INT8_MAX - INT8_MIN), 1e-8)
-        params[name] = (scale, int(np.clip(np.rint(INT8_MIN - low / scale), INT8_MIN, INT8_MAX)))
-    return params, len(windows)
+    return {name: ranges[x] for name, x in inputs.items()}, len(windows)
+
+
+def static_input_params(low: np.ndarray, high: np.ndarray) -> tuple[float, int]:
+    """W8A8's static per-tensor activation parameters (MindIE's input_scale, input_offset) covering the
+    channels' [low, high] and 0: x_q = clip(round(x / scale) + offset, -128, 127)."""
+    lo, hi = min(float(np.min(low)), 0.0), max(float(np.max(high)), 0.0)
+    scale = max((hi - lo) / (INT8_MAX - INT8_MIN), 1e-8)
+    return scale, int(np.clip(np.rint(INT8_MIN - lo / scale), INT8_MIN, INT8_MAX))

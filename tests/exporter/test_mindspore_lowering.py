@@ -346,7 +346,7 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
                                                                               tmp_path: Path) -> None:
     """w8a8 on Ascend: q/k/v, o_proj and gate/up are QuantBatchMatmul with MindIE's tensors, their static input
     scale/offset calibrated on the float32 graph (layer 0's input is RmsNorm of the embedding rows, so numpy
-    recomputes its range); down_proj and the tied LM head stay weight-only (WeightQuantBatchMatmul)."""
+    recomputes its range; SmoothQuant off, tests/exporter/test_smoothquant.py checks it); down_proj and the tied LM head stay weight-only (WeightQuantBatchMatmul)."""
     from tokenizers import Tokenizer
 
     from pagedgraph.exporter.kv_calibration import calibration_windows
@@ -354,7 +354,7 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
     text = REPO / "pagedgraph" / "data" / "calibration.txt"
     art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
                           max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16", "quantization": "w8a8"},
-                          mindir_workers=1, kv_cache_calibration=str(text))
+                          mindir_workers=1, kv_cache_calibration=str(text), w8a8_smoothing=None)
     index, model = MindirIndex.load(art), Manifest.load(art).model
     records = read_ops(art / index.graphs[c.PREFILL][gear_key(Gear(16, 2, 4))],
                        {"QuantBatchMatmul", "WeightQuantBatchMatmul", "MatMul"})
