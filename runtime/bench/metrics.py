@@ -1,6 +1,7 @@
 """What a benchmark run measures, and the figures (JSON keys) derived from it."""
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -14,6 +15,22 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def resident_bytes(arrays: Iterable[np.ndarray]) -> int:
+    """Bytes of `arrays` in memory now (mincore): a KV pool's zero pages become resident only once written, so
+    peak RSS minus the pool's size undercounts everything else; minus this it does not (pool pages stay)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for array in arrays:
+        start = array.ctypes.data // page * page
+        length = array.ctypes.data + array.nbytes - start
+        flags = np.zeros(-(-length // page), np.uint8)
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), flags.ctypes.data_as(ctypes.c_void_p)):
+            raise OSError(ctypes.get_errno(), "mincore failed on a KV pool")
+        total += int(np.count_nonzero(flags & 1)) * page
+    return total
 
 
 class Timeline:

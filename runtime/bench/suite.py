@@ -20,7 +20,7 @@ from ...artifact.manifest import Manifest
 from ...graphs.contract import PREFILL
 from . import micro, workloads
 from .kernels import profile_kernels
-from .metrics import RunRecord, peak_rss_bytes, percentile
+from .metrics import RunRecord, peak_rss_bytes, percentile, resident_bytes
 from .naive import NaiveRunner
 from .runner import run_engine, warm_up
 from .workloads import BenchRequest
@@ -117,7 +117,9 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
     record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.pools.num_blocks,
                         kv_bytes_per_block=engine.pools.bytes_per_block)
-    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes,
+    resident = resident_bytes(engine.pools.values())
+    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes, kv_cache_resident_bytes=resident,
+                        rss_beyond_kv_bytes=record.peak_rss_bytes - resident,
                         rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
     return record, requests, engine
 

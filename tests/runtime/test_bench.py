@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from pagedgraph.artifact.manifest import ArtifactError
 from pagedgraph.runtime.bench import workloads
+from pagedgraph.runtime.bench.metrics import resident_bytes
 from pagedgraph.runtime.bench.naive import NAIVE_GRAPH, NaiveRunner
 from pagedgraph.runtime.bench.report import markdown_table, text_table
 from pagedgraph.runtime.bench.runner import run_engine
@@ -32,6 +34,16 @@ def test_mixed_is_reproducible_and_in_range() -> None:
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and 8 < arrivals[-1] < 32  # 63 gaps of mean 0.25 s
 
 
+def test_resident_bytes_counts_the_pages_written() -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    pools = [np.zeros(48 << 18, np.float32) for _ in range(2)]  # 48 MiB: above glibc's mmap threshold, fresh pages
+    before = resident_bytes(pools)
+    assert before <= 2 * page  # at most the page holding each allocation's header
+    pools[0][page // 4 : 4 * page // 4 : page // 4] = 1.0  # one float on each of pages 1, 2, 3
+    pools[1][-1] = 1.0
+    assert resident_bytes(pools) - before == 4 * page
+
+
 def test_mixed_needs_a_long_enough_artifact() -> None:
     with pytest.raises(ValueError, match=r"max_model_len is 1024; re-export with export.max_model_len >= \d+"):
         workloads.check_fits(workloads.mixed(49152, 64), 1024, "mixed")
@@ -51,6 +63,9 @@ def test_poisson_bench_against_naive(smollm2_artifact: Path) -> None:
     assert results["speedup_vs_naive"] == pytest.approx(results["throughput_tok_s"] / results["naive_throughput_tok_s"])
     assert naive["kv_utilization"] < results["kv_utilization"]  # 5 short requests in 4 x 1280-slot rows
     assert results["peak_rss_bytes"] > results["weights_bytes"]
+    # 5 requests write a few blocks of the 1 GiB pool: only those pages are resident
+    assert 0 < results["kv_cache_resident_bytes"] < results["kv_cache_bytes"] // 10
+    assert results["rss_beyond_kv_bytes"] == results["peak_rss_bytes"] - results["kv_cache_resident_bytes"]
     assert set(results["decode_step_s"]) == set(results["naive_decode_step_s"]) == {"16", "48"}
     assert results["decode_step_s_one_long"] > 0
     assert set(results["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in results["naive_decode_tok_s"].values())
