@@ -1,6 +1,7 @@
 """Checkpoint -> artifact directory: graphs, weights once, tokenizer, manifest (written atomically)."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from .buckets import plan_gears
 from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
 from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
-                             ExportConfig)
+                             ExportConfig, ExportOptions)
 from .kv_calibration import calibrate_kv_scales, linear_input_ranges, static_input_params
 from .onnx.contiguous import naive_model
 from .onnx.graph_builder import OnnxBuilder
@@ -83,9 +84,11 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
             forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level,
                                 config.model.dtype, staging)
             graph = staging / GRAPH
-        kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration_text, log)
-        mindir_checkpoint, w8a8_inputs = _w8a8_static(raw, checkpoint, config, gears, calibration_text, log)
-        del raw
+        with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
+            calibration = CalibrationSource(raw, options, calibration_text, Path(scratch))
+            kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration, log)
+            mindir_checkpoint, w8a8_inputs = _w8a8_static(raw, checkpoint, config, gears, calibration, log)
+        del raw, calibration
         if "onnx" in options.formats:
             _write_kv_variants(checkpoint, config, forms, staging, kv_scales)
         if "mindir" in options.formats:
@@ -234,27 +237,43 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     return forms
 
 
+class CalibrationSource:
+    """What both calibrations (int8 KV-cache scales, Ascend W8A8 input scales) run over, made at most once per
+    export: the calibration text's token ids, and the float32 graph of the checkpoint as read (before RTN
+    quantization), written into `scratch` on first use."""
+
+    def __init__(self, raw: Checkpoint, options: ExportOptions, default_text: str | None, scratch: Path) -> None:
+        self._raw, self._options, self._default_text, self._scratch = raw, options, default_text, scratch
+
+    @functools.cached_property
+    def tokens(self) -> tuple[list[int], str]:
+        """The token ids and where the text came from."""
+        return _calibration_tokens(self._raw, self._options.kv_cache_calibration, self._default_text)
+
+    @functools.cached_property
+    def float32_graph(self) -> Path:
+        options = self._options
+        _write_onnx(self._raw, options.max_model_len, options.block_size, options.accuracy_level, "float32",
+                    self._scratch)
+        return self._scratch / GRAPH
+
+
 def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
-               graph: Path | None, calibration_text: str | None, log: TextIO) -> dict[str, np.ndarray]:
-    """The int8 KV-cache parameters, calibrated once on the float32 ONNX `graph` (one written to a scratch
-    folder when the export writes no ONNX) and shared by the ONNX and MINDIR int8 graphs; {} without int8."""
+               graph: Path | None, calibration: CalibrationSource, log: TextIO) -> dict[str, np.ndarray]:
+    """The int8 KV-cache parameters, calibrated once on the exported ONNX `graph` (the calibration's float32
+    graph when the export writes no ONNX) and shared by the ONNX and MINDIR int8 graphs; {} without int8."""
     options, model = config.export, checkpoint.config
     if not any(cache_format(d).quantized for d in options.kv_cache_dtypes):
         return {}
-    tokens, source = _calibration_tokens(checkpoint, options.kv_cache_calibration, calibration_text)
-    with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
-        if graph is None:
-            _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level, "float32",
-                        Path(scratch))
-            graph = Path(scratch) / GRAPH
-        scales, windows = calibrate_kv_scales(graph, model, gears[c.PREFILL], options.block_size, tokens,
-                                              options.kv_cache_calibration_window)
+    tokens, source = calibration.tokens
+    scales, windows = calibrate_kv_scales(graph or calibration.float32_graph, model, gears[c.PREFILL],
+                                          options.block_size, tokens, options.kv_cache_calibration_window)
     print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     return scales
 
 
 def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
-                 calibration_text: str | None, log: TextIO) -> tuple[Checkpoint, dict[str, tuple[float, int]]]:
+                 calibration: CalibrationSource, log: TextIO) -> tuple[Checkpoint, dict[str, tuple[float, int]]]:
     """Ascend W8A8 (MindIE's static form): the checkpoint the MINDIR quantizes (norm-fed linears smoothed,
     exporter/smoothquant.py) and each int8 linear's per-tensor input (scale, offset), calibrated on the float32
     graph of the unquantized checkpoint (written to a scratch folder) over the calibration text; every other
@@ -264,12 +283,9 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
         return checkpoint, {}
     linears = [name for name, w in llama.graph_weights(checkpoint.config, checkpoint.tensors, 1).items()
                if isinstance(w, Int8PerChannel)]
-    tokens, source = _calibration_tokens(raw, options.kv_cache_calibration, calibration_text)
-    with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
-        _write_onnx(raw, options.max_model_len, options.block_size, options.accuracy_level, "float32",
-                    Path(scratch))
-        ranges, windows = linear_input_ranges(Path(scratch) / GRAPH, raw.config, gears[c.PREFILL], options.block_size,
-                                              tokens, options.kv_cache_calibration_window, linears)
+    tokens, source = calibration.tokens
+    ranges, windows = linear_input_ranges(calibration.float32_graph, raw.config, gears[c.PREFILL], options.block_size,
+                                          tokens, options.kv_cache_calibration_window, linears)
     smoothed = dict(raw.tensors)
     if options.w8a8_smoothing is not None:
         smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
