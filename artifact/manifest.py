@@ -41,7 +41,7 @@ class Manifest:
     # generation_config.json or the export YAML): {"temperature": {"value": 0.2, "source": "..."}}.
     generation_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     exported_with: dict[str, str] = field(default_factory=dict)  # package -> version, for `pagedgraph inspect`
-    quantization: str = "none"  # model.quantization: none | gguf | w8a16 | w4a16 | w8a8
+    quantization: str = "none"  # model.quantization: none | gguf | w8a16 | w4a16 | w8a8 | gptq | awq
     weight_formats: dict[str, int] = field(default_factory=dict)  # checkpoint tensors per form: {"Q4_1": 210, ...}
     format_version: int = FORMAT_VERSION
     op_set_version: int = OP_SET_VERSION

@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ..artifact.settings import Settings
+from ..artifact.settings import ConfigError, Settings, validate
 from ..graphs.kv_cache import KV_CACHE_DTYPES, KVCacheDType
 from ..kernels.build import onednn_missing
 
@@ -21,7 +21,9 @@ MINDIR_CONTEXT_STEPS = 3  # context_blocks: this many, x4 apart, ending at max_m
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-Quantization = Literal["none", "gguf", "w8a16", "w4a16", "w8a8"]
+Quantization = Literal["none", "gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq"]
+# Read from an HF checkpoint already quantized with them (its quantization_config), never applied at export.
+PREQUANTIZED = ("gptq", "awq")
 # MatMulNBits block sizes (MLAS takes powers of two 16..256); 32 measured best (docs/performance.md, Precision).
 DEFAULT_GROUP_SIZE = 32
 
@@ -32,7 +34,9 @@ class ModelSource(Settings):
     dtype: Dtype = Field("float32", description="activations and compute (vLLM's --dtype)")
     quantization: Quantization = Field(
         "none", description="weights: none (dtype), gguf (the GGUF file's own blocks), w8a16 / w4a16 (round-to-"
-                            "nearest int8 per channel / int4 per group), w8a8 (int8 weights per channel, int8 activations per token)")
+                            "nearest int8 per channel / int4 per group), w8a8 (int8 weights per channel, int8 "
+                            "activations per token), gptq / awq (an HF GPTQ / AWQ checkpoint's own blocks; `none` "
+                            "reads such a checkpoint so too)")
     group_size: int = Field(DEFAULT_GROUP_SIZE, description="w4a16: inputs per int4 group (16, 32, 64, 128 or 256)")
 
     @model_validator(mode="after")
@@ -44,6 +48,11 @@ class ModelSource(Settings):
             raise ValueError(f"model.quantization = 'gguf' runs a GGUF file's own blocks, but model.source = "
                              f"{self.source!r} is not a .gguf file; nearest valid: w4a16 or w8a16 (quantize any "
                              "checkpoint at export), or point model.source at a .gguf file")
+        if self.quantization in PREQUANTIZED and (self.source == "default" or self.source.lower().endswith(".gguf")):
+            raise ValueError(f"model.quantization = {self.quantization!r} reads a Hugging Face checkpoint directory "
+                             f"quantized with {self.quantization.upper()}, but model.source = {self.source!r} is a "
+                             "GGUF file; nearest valid: gguf (the file's own blocks), or point model.source at a "
+                             f"{self.quantization.upper()} checkpoint directory")
         return self
 
 
@@ -146,7 +155,7 @@ class ExportConfig(Settings):
         ascend_built = options.target == "ascend" and model.quantization in ("w8a16", "w4a16", "w8a8")
         if model.quantization != "none" and "mindir" in options.formats and not ascend_built:
             where = ("the Ascend MINDIR builds w8a16, w4a16 (WeightQuantBatchMatmul) and w8a8 (QuantBatchMatmul), "
-                     "not a GGUF's blocks"
+                     "not a GGUF's blocks nor a GPTQ/AWQ checkpoint's"
                      if options.target == "ascend" else "MindSpore CPU has no quantized matmul kernels")
             raise ValueError(f"model.quantization = {model.quantization!r} is lowered to ONNX only ({where}); "
                              "nearest valid: export.formats [onnx], or quantization none (ascend: w8a16, w4a16, "
@@ -160,6 +169,30 @@ class ExportConfig(Settings):
                              f"float32 weights; with model.dtype = {model.dtype!r}, model.quantization = "
                              f"{model.quantization!r} remove it (bench a float32 artifact for the baseline)")
         return self
+
+    def for_checkpoint(self, quantization: str) -> "ExportConfig":
+        """This config for a checkpoint whose weights are already `quantization` ("gptq", "awq"; "none": float).
+
+        As vLLM does, a GPTQ/AWQ checkpoint is read in its own format: `model.quantization: none` becomes the
+        checkpoint's method (validated again, so e.g. bfloat16 compute is still refused); asking for another
+        quantization is refused rather than dequantizing and quantizing again."""
+        asked = self.model.quantization
+        if quantization == "none" and asked in PREQUANTIZED:
+            raise ConfigError(f"model.quantization = {asked!r} reads a checkpoint's own {asked.upper()} blocks, but "
+                              f"model.source = {self.model.source!r} has no quantization_config (float weights); "
+                              "nearest valid: w4a16 (int4 groups, round to nearest at export), or point model.source "
+                              f"at a {asked.upper()} checkpoint")
+        if quantization == "none" or asked == quantization:
+            return self
+        if asked != "none":
+            raise ConfigError(f"model.quantization = {asked!r}, but model.source = {self.model.source!r} is already "
+                              f"quantized with {quantization.upper()} (config.json quantization_config.quant_method), "
+                              "and its blocks are read as they are, not dequantized and quantized again; nearest "
+                              f"valid: {quantization} (or none, which reads it so too)")
+        data = self.model_dump(mode="json", exclude_unset=True)
+        data["model"] = {**data.get("model", {}), "quantization": quantization}
+        return validate(ExportConfig, data, f"the export config with model.quantization: {quantization} (the "
+                                            "checkpoint's quantization_config.quant_method)")
 
     @model_validator(mode="after")
     def _kv_cache_dtypes(self) -> "ExportConfig":

@@ -68,6 +68,10 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)
     raw = read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf")
+    own = config.for_checkpoint(raw.quantization)
+    if own is not config:
+        print(f"model.quantization: {raw.quantization} (the checkpoint's own blocks, read as they are)", file=log)
+        config = own
     checkpoint = _quantized(raw, config, log)
     model = checkpoint.config
     config = _implied_defaults(config, model, log)

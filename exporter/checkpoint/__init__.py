@@ -16,7 +16,8 @@ DEFAULT_SOURCE = "default"
 def read_checkpoint(path: str | os.PathLike[str], keep_blocks: bool = False) -> Checkpoint:
     """Pick the reader from what `path` is: a HF directory, a `.gguf` file, or "default" (SmolLM2).
 
-    `keep_blocks`: a GGUF's quantized tensors stay in their blocks (only GGUF files have them)."""
+    `keep_blocks`: a GGUF's quantized tensors stay in their blocks (else dequantized to float32). A GPTQ / AWQ
+    checkpoint directory's always do (`Checkpoint.quantization` says which): their blocks are only read as they are."""
     if str(path) == DEFAULT_SOURCE:
         from .gguf_reader import default_model_path
 

@@ -27,7 +27,8 @@ class TokenizerSpec:
 @dataclass(frozen=True)
 class Checkpoint:
     """Weights under canonical HF LLaMA names, [out, in] for linear layers: float32 numpy, or
-    `BlockQuantized` where a GGUF was read with its blocks kept (export `quantization: gguf`).
+    `BlockQuantized` where a GGUF was read with its blocks kept (export `quantization: gguf`) or an HF
+    checkpoint was quantized with GPTQ / AWQ (always kept: `quantization`).
 
     Canonical names: `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`
     (absent when tied), and per layer i `model.layers.{i}.input_layernorm.weight`,
@@ -43,6 +44,8 @@ class Checkpoint:
     # The checkpoint's own sampling defaults (HF generation_config.json), under SamplingParams' names; GGUF has none.
     generation_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     generation_source: str = ""  # where generation_defaults came from, recorded in the manifest
+    # The checkpoint's own quantization, read as it is: "gptq" / "awq" (HF quantization_config), else "none".
+    quantization: str = "none"
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -11,14 +11,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from .base import Checkpoint, CheckpointError, TokenizerSpec, expected_shapes
+from .hf_quantized import PackedFormat, packed_format
 from ...graphs.config import ModelConfig, RopeScaling
+from ...graphs.quant import Weight
 
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -36,7 +38,8 @@ _REDOWNLOAD = "re-download it (if it is a Git LFS pointer, run `git lfs pull`)"
 
 
 def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read a LLaMA/Mistral/Qwen2 HF directory into float32 tensors under canonical names."""
+    """Read a LLaMA/Mistral/Qwen2 HF directory into float32 tensors under canonical names; a GPTQ or AWQ
+    checkpoint's linears stay in their own blocks (`BlockQuantized`, Checkpoint.quantization says which)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory; pass a Hugging Face checkpoint directory")
@@ -44,8 +47,10 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     config = _model_config(hf)
     tokenizer = _read_tokenizer(root, hf)
     config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
-    tensors = _read_tensors(root, config)
+    packed = _packed_format(root, hf)
+    tensors = _read_tensors(root, config, packed)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(root),
+                      quantization=packed.method if packed else "none",
                       generation_defaults=generation_defaults(_read_json(root / "generation_config.json")),
                       generation_source=str(root / "generation_config.json"))
 
@@ -60,6 +65,14 @@ def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults a generation_config.json sets, under SamplingParams' names."""
     return {ours: generation[theirs] for theirs, ours in GENERATION_KEYS.items()
             if isinstance(generation.get(theirs), (int, float)) and not isinstance(generation.get(theirs), bool)}
+
+
+def _packed_format(root: Path, hf: dict[str, Any]) -> PackedFormat | None:
+    """config.json's quantization_config (transformers, vLLM), else AutoGPTQ's own quantize_config.json."""
+    if hf.get("quantization_config"):
+        return packed_format(hf["quantization_config"], "config.json")
+    legacy = _read_json(root / "quantize_config.json")
+    return packed_format({"quant_method": "gptq", **legacy}, "quantize_config.json") if legacy else None
 
 
 def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
@@ -161,11 +174,6 @@ def _check_supported(hf: dict[str, Any], arch: str, max_positions: int) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"config.json: hidden_act={act!r} is not supported; the MLP is SwiGLU (silu)")
-    if hf.get("quantization_config"):
-        raise CheckpointError(
-            "config.json: quantized checkpoints (quantization_config) are not supported; "
-            "use the original float16/bfloat16/float32 weights"
-        )
 
 
 def _model_config(hf: dict[str, Any]) -> ModelConfig:
@@ -335,34 +343,36 @@ def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
-def _read_tensors(root: Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Validate names, shapes and dtypes of every file first, then load: fail before reading GBs."""
+def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) -> dict[str, Weight]:
+    """Validate names, shapes and dtypes of every file first, then load: fail before reading GBs.
+
+    With a `packed` format, a linear `X.weight` may instead be stored as its `X.qweight`, `X.qzeros`, `X.scales`
+    (GPTQ: `X.g_idx`): it becomes a `BlockQuantized` of the checkpoint's own codes (hf_quantized.py)."""
     expected = expected_shapes(config)
     plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
+    stored: dict[str, set[str]] = {}  # packed linear's canonical name -> the parts found
     unexpected: list[str] = []
     for path in _weight_files(root):
         plan[path] = {}
         with _open(path) as f:
             for name in f.keys():
-                if _IGNORED_TENSOR.search(name) or (name == _LM_HEAD and config.tie_word_embeddings):
-                    continue
-                if name not in expected:
-                    unexpected.append(name)
+                if _IGNORED_TENSOR.search(name) or (name.startswith("lm_head.") and config.tie_word_embeddings):
                     continue
                 info = f.get_slice(name)
                 shape, dtype = tuple(info.get_shape()), info.get_dtype()
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"{path.name}: {name} has shape {list(shape)} but config.json implies "
-                        f"{list(expected[name])}; config.json does not match the weights (check "
-                        "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
-                        "head_dim, vocab_size) or re-download both from the same revision"
-                    )
-                if dtype not in _FLOAT_DTYPES:
-                    raise CheckpointError(
-                        f"{path.name}: {name} has dtype {dtype}; only float weights (F32/F16/BF16/F64) are "
-                        "supported (quantized checkpoints are not): use the original weights"
-                    )
+                base, _, suffix = name.rpartition(".")
+                linear = f"{base}.weight"
+                if packed is not None and suffix in packed.suffixes and len(expected.get(linear, ())) == 2:
+                    if linear not in stored:
+                        packed.check_dims(linear, *expected[linear])
+                    part = packed.parts(*expected[linear])[suffix]
+                    _check_tensor(path, name, shape, dtype, part.shape, part.dtypes, packed.method)
+                    stored.setdefault(linear, set()).add(suffix)
+                elif name in expected:
+                    _check_tensor(path, name, shape, dtype, expected[name], _FLOAT_DTYPES, None)
+                else:
+                    unexpected.append(name)
+                    continue
                 plan[path][name] = dtype
     if unexpected:
         raise CheckpointError(
@@ -371,7 +381,19 @@ def _read_tensors(root: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             "(adapters, quantization or a different architecture?)"
         )
     found = {name for names in plan.values() for name in names}
-    missing = [name for name in expected if name not in found]
+    missing = [name for name in expected if name not in found and name not in stored]
+    if packed is not None:
+        missing += [f"{linear[:-len('weight')]}{part}" for linear, parts in stored.items()
+                    for part in packed.required if part not in parts]
+        if not stored:
+            raise CheckpointError(
+                f"{root}: config.json's quantization_config says {packed.method}, but no linear is stored as "
+                f"{packed.method} blocks (X.qweight, X.qzeros, X.scales), only float weights; remove "
+                "quantization_config from config.json to read them as float weights, or re-download the checkpoint")
+        both = [linear for linear in stored if linear in found]
+        if both:
+            raise CheckpointError(f"{root}: {_first(both)} stored both as float weights and as {packed.method} "
+                                  "blocks; keep one of them (re-download the checkpoint)")
     if missing:
         raise CheckpointError(
             f"{root}: missing tensor(s) {_first(missing)}; the weights are incomplete or config.json "
@@ -379,16 +401,38 @@ def _read_tensors(root: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             f"num_hidden_layers={config.num_layers}); re-download the weights"
         )
 
-    tensors: dict[str, np.ndarray] = {}
+    loaded: dict[str, np.ndarray] = {}
     for path, names in plan.items():
         with _open(path) as f:
-            for name, dtype in names.items():
-                if dtype != "BF16":
-                    tensors[name] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+            loaded |= {name: f.get_tensor(name) for name, dtype in names.items() if dtype != "BF16"}
         bf16 = [name for name, dtype in names.items() if dtype == "BF16"]
         if bf16:
-            tensors |= _read_bf16(path, bf16)
+            loaded |= _read_bf16(path, bf16)
+    tensors: dict[str, Weight] = {name: np.ascontiguousarray(loaded[name], dtype=np.float32)
+                                  for name in expected if name in loaded}
+    for linear in stored if packed is not None else ():
+        base = linear[:-len("weight")]
+        parts = {suffix: loaded[base + suffix] for suffix in packed.suffixes if base + suffix in loaded}
+        tensors[linear] = packed.weight(base[:-1], parts, *expected[linear])
     return tensors
+
+
+def _check_tensor(path: Path, name: str, shape: tuple[int, ...], dtype: str, want: tuple[int, ...],
+                  dtypes: Iterable[str], method: str | None) -> None:
+    """One stored tensor against the shape config.json implies and the dtypes its form allows."""
+    form = f"its {method} blocks imply" if method else "config.json implies"
+    if shape != want:
+        raise CheckpointError(
+            f"{path.name}: {name} has shape {list(shape)} but {form} {list(want)}; config.json does not match the "
+            "weights (check hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, "
+            "vocab_size, and quantization_config's bits and group_size) or re-download both from the same revision"
+        )
+    if dtype not in dtypes:
+        kind = (f"{method}'s {name.rpartition('.')[2]} is {'/'.join(dtypes)}" if method else
+                "only float weights (F32/F16/BF16/F64) are read, and quantized ones from GPTQ/AWQ checkpoints "
+                "with a quantization_config")
+        raise CheckpointError(f"{path.name}: {name} has dtype {dtype}; {kind}: use the original weights "
+                              "or re-download the checkpoint")
 
 
 def _first(names: list[str], limit: int = 5) -> str:

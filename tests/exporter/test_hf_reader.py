@@ -253,7 +253,8 @@ ERROR_CASES: list[tuple[str, str, Callable[[Path], None], list[str]]] = [
         _config(sliding_window=64, use_sliding_window=True),
         ["sliding_window=64", "not supported"],
     ),
-    ("quantized", "llama_tied", _config(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
+    ("quantized", "llama_tied", _config(quantization_config={"quant_method": "bitsandbytes"}),
+     ["quantization_config.quant_method = 'bitsandbytes'", "gptq, awq"]),
 ]
 
 

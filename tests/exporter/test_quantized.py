@@ -212,6 +212,9 @@ def test_rtn_quantizers_keep_every_weight_within_half_a_step() -> None:
     ({"model": {"quantization": "gguf"}, "export": {"formats": ["onnx", "mindir"]}}, "lowered to ONNX only"),
     ({"model": {"quantization": "w8a16"}, "export": {"baseline": "naive"}}, "export.baseline = 'naive'"),
     ({"model": {"quantization": "int8"}}, "quantization = 'int8'"),
+    ({"model": {"source": "m.gguf", "quantization": "gptq"}}, "reads a Hugging Face checkpoint directory .* gguf"),
+    ({"model": {"source": "hf_dir", "quantization": "awq"}, "export": {"formats": ["mindir"], "target": "ascend"}},
+     "nor a GPTQ/AWQ checkpoint's"),
 ])
 def test_invalid_precisions_are_refused_with_the_nearest_valid_choice(data: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):

@@ -54,17 +54,23 @@ def test_engine_matches_transformers(case: str, tmp_path: Path) -> None:
                                                     "prefill_max_seqs": 4}},
     })
     export(config, tmp_path / "artifact", log=io.StringIO())
-    engine = LLMEngine(tmp_path / "artifact", EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert_engine_follows(tmp_path / "artifact", model, case)
+
+
+def assert_engine_follows(artifact: Path, model: object, label: str) -> None:
+    """The engine's greedy tokens on PROMPTS equal `model`'s (a transformers fp32 model), and its top-5 logprobs
+    its log-softmax within 1e-4."""
+    engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=64))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     seqs = {engine.add_request(p, params).request_id: p for p in PROMPTS}
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for request_id, prompt in seqs.items():
         out = done[request_id]
         want_tokens, want_logprobs = _hf_greedy(model, prompt)
-        assert out.token_ids == want_tokens, f"{case}: prompt {prompt[:5]}..."
+        assert out.token_ids == want_tokens, f"{label}: prompt {prompt[:5]}..."
         for step, (got, want) in enumerate(zip(out.logprobs, want_logprobs)):
             for token, value in got.items():
-                assert abs(value - want[token]) < 1e-4, f"{case}: step {step} token {token}"
+                assert abs(value - want[token]) < 1e-4, f"{label}: step {step} token {token}"
