@@ -150,9 +150,9 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
     norm = dict(epsilon=config.rms_norm_eps)
 
     hidden = forms.gather(b, "embed", b.input(c.INPUT_IDS))
+    x = b.emit(ops.RMS_NORM, hidden, b.weight("layers.0.input_norm"), **norm)
     for i in range(config.num_layers):
         w = f"layers.{i}."
-        x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "input_norm"), **norm)
         qkv = forms.linear(b, x, w + "qkv", b.weight(w + "qkv_bias") if config.attention_bias else None)
         q, k, v = b.emit(ops.SPLIT, qkv, sizes=(config.q_size, config.kv_size, config.kv_size))
         q, k = b.emit(ops.ROPE, q, k, cos, sin, head_dim=config.head_dim)
@@ -164,11 +164,12 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
         b.output(c.cache_output_name(v_name), v_cache)
         attn = b.emit(attend, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
                       *(params[f] for f in DEQUANT_INPUTS if quantized), **attention)
-        hidden = b.emit(ops.ADD, hidden, forms.linear(b, attn, w + "o_proj"))
-        x = b.emit(ops.RMS_NORM, hidden, b.weight(w + "post_norm"), **norm)
-        gate_up = forms.linear(b, x, w + "gate_up")
-        hidden = b.emit(ops.ADD, hidden, forms.linear(b, b.emit(ops.SWIGLU, gate_up), w + "down"))
+        # Each residual Add and the norm reading its sum are one AddRmsNorm (the last layer's feeds the final norm)
+        x, hidden = b.emit(ops.ADD_RMS_NORM, forms.linear(b, attn, w + "o_proj"), hidden, b.weight(w + "post_norm"),
+                           **norm)
+        down = forms.linear(b, b.emit(ops.SWIGLU, forms.linear(b, x, w + "gate_up")), w + "down")
+        after = f"layers.{i + 1}.input_norm" if i + 1 < config.num_layers else "final_norm"
+        x, hidden = b.emit(ops.ADD_RMS_NORM, down, hidden, b.weight(after), **norm)
 
-    last = b.emit(ops.GATHER, hidden, b.input(c.LOGITS_INDICES))
-    last = b.emit(ops.RMS_NORM, last, b.weight("final_norm"), **norm)
+    last = b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))  # norm rows, then gather: one op fewer than the reverse
     b.output(c.LOGITS, forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))

@@ -37,6 +37,19 @@ class RmsNorm(Body):
         return self.norm(x, weight)[0]
 
 
+class AddRmsNorm(Body):
+    """ATB's AddRmsNorm (MindSpore's `ops.add_rms_norm`): outputs (y, rstd, x1 + x2); rstd is dropped."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.epsilon = attrs.epsilon
+        self.norm = prims.AddRmsNorm()
+
+    def construct(self, x, residual, gamma):
+        y, _, total = self.norm(x, residual, gamma, self.epsilon)
+        return y, total
+
+
 class Rope(Body):
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
@@ -282,8 +295,8 @@ def w8a8_static_arrays(w: Int8PerChannel, input_scale: float, input_offset: int,
 
 MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     "mindspore-ascend", "exporter/mindspore/ascend_ops.py (shared: exporter/mindspore/common_ops.py)",
-    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
-     op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ADD_RMS_NORM: AddRmsNorm, op_set.ROPE: Rope,
+     op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_BF16: ReshapeAndCache, op_set.PAGED_ATTENTION_BF16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,

@@ -41,8 +41,19 @@ class RmsNorm(Body):
         self.epsilon = attrs.epsilon
 
     def construct(self, x, weight):
+        return self.normalize(x, weight)
+
+    def normalize(self, x, weight):
         variance = ops.mean(ops.square(x), -1, True)
         return x / ops.sqrt(variance + self.epsilon) * weight
+
+
+class AddRmsNorm(RmsNorm):
+    """The plain Add and RmsNorm: MindSpore's AddRmsNorm kernel is Ascend only."""
+
+    def construct(self, x, residual, gamma):
+        total = x + residual
+        return self.normalize(total, gamma), total
 
 
 class Rope(Body):
@@ -105,8 +116,8 @@ class SelfAttention(Body):
 
 MINDSPORE_CPU: Lowering[Any] = Lowering(
     "mindspore-cpu", "exporter/mindspore/cpu_ops.py (shared: exporter/mindspore/common_ops.py)",
-    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ROPE: Rope, op_set.SWIGLU: SwiGLU,
-     op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ADD_RMS_NORM: AddRmsNorm, op_set.ROPE: Rope,
+     op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention})
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set.BLOCK_MINIMUM):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no 4/8-bit weight matmul kernel; quantized artifacts are ONNX only "

@@ -72,6 +72,18 @@ def _add(g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
     return [g.n.op("Add", *inputs)]
 
 
+def _add_rms_norm(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
+    """ONNX Runtime's contrib op, one CPU kernel, as a graph node (like MatMulNBits: ONNX's checker cannot type
+    a function output computed by a contrib op). Outputs (output, mean, inv_std_var, input_skip_bias_sum): the
+    sum is the fourth; the statistics stay unnamed and are not written. Float32 like every activation (a bfloat16
+    model's too: only its linears' weights are bfloat16)."""
+    g.opsets.setdefault(quantized.MS_DOMAIN, 1)
+    y, total = g.n.fresh("y"), g.n.fresh("sum")
+    g.n.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", list(inputs), [y, "", "", total], name=y,
+                                      domain=quantized.MS_DOMAIN, epsilon=attrs.epsilon))
+    return [y, total]
+
+
 def _split(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
     return g.n.op("Split", inputs[0], g.n.const(list(attrs.sizes)), axis=-1, outputs=len(attrs.sizes))
 
@@ -137,7 +149,7 @@ _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
 _FUNCTION_BODIES = {op: Function(op, body) for op, body in _FUNCTIONS.items()}
 ONNX: Lowering[OnnxBody] = Lowering(
     "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",
-    {ops.GATHER: _gather, ops.ADD: _add, ops.SPLIT: _split, ops.LINEAR: _linear,
+    {ops.GATHER: _gather, ops.ADD: _add, ops.ADD_RMS_NORM: _add_rms_norm, ops.SPLIT: _split, ops.LINEAR: _linear,
      ops.LINEAR_BLOCK_QUANTIZED: partial(quantized.linear_block_quantized,
                                          block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,

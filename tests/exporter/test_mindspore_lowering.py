@@ -146,7 +146,8 @@ def ascend_artifact(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
                            prefill=[16], max_seqs=2, max_model_len=MAX_LEN, target="ascend")
 
 
-FUSED = {"ReshapeAndCache", "PagedAttention", "RmsNorm", "RotaryPositionEmbedding", "Swiglu", "MatMul"}
+FUSED = {"ReshapeAndCache", "PagedAttention", "RmsNorm", "AddRmsNorm", "RotaryPositionEmbedding", "Swiglu",
+         "MatMul"}
 
 
 def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifact: Path, checkpoint: Path) -> None:
@@ -162,7 +163,7 @@ def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifac
         kinds = {r.op_type: [x for x in records if x.op_type == r.op_type] for r in records}
         assert set(kinds) == FUSED
         assert len(kinds["ReshapeAndCache"]) == len(kinds["PagedAttention"]) == model.num_layers
-        assert len(kinds["RmsNorm"]) == 2 * model.num_layers + 1
+        assert len(kinds["RmsNorm"]) == 1 and len(kinds["AddRmsNorm"]) == 2 * model.num_layers  # every residual Add
         write = kinds["ReshapeAndCache"][0]
         assert write.attributes["side_effect_mem"] is True
         assert write.arguments["key_cache"] == "k_cache_0" and write.arguments["value_cache"] == "v_cache_0"
@@ -177,6 +178,7 @@ def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifac
         assert (attention["q_seq_lens"] == "<Sub>") == multi_query and (attention["q_seq_lens"] is None) != multi_query
         assert (attention["attn_mask"] is None) != multi_query
         assert kinds["RmsNorm"][0].arguments["epsilon"] == pytest.approx(1e-5)
+        assert kinds["AddRmsNorm"][0].arguments["epsilon"] == pytest.approx(1e-5)
         assert kinds["RotaryPositionEmbedding"][0].arguments["mode"] == 0  # rotate-half
         assert all(r.arguments["transpose_b"] for r in kinds["MatMul"])  # ATB's [out, in] weights
         assert kinds["MatMul"][0].arguments["mat2"] == "layers.0.qkv"  # a Parameter, not a graph input
