@@ -8,7 +8,8 @@ export.accuracy_level 4 still computes it in int8, with a scale per block of 32 
 
 - int8: symmetric, one scale per output row (max |w| / 127), codes + 128 with MatMulNBits' default zero
   point 128. The row's scale is repeated over the row's blocks (MatMulNBits is block-wise).
-- int4: asymmetric per group of `group_size` inputs: scale (max - min) / 15 and the group's min as minimum.
+- int4: asymmetric per group of `group_size` inputs: scale (max - min) / 15 and the group's min (rounded down to
+  a float16 value, as Q4_1 stores it) as minimum.
 Both never saturate a row's or group's largest weight (what RTN keeps exact is its range).
 """
 from __future__ import annotations
@@ -46,6 +47,14 @@ def int8_per_channel(w: np.ndarray) -> BlockQuantized:
                           "rtn-int8-per-channel")
 
 
+def _float16_at_most(x: np.ndarray) -> np.ndarray:
+    """The largest float16 values <= x, as float32: a group minimum the graph stores exactly in float16 (GGUF Q4_1's
+    precision, half the bytes BlockMinimum reads per step) that still lies below every weight of its group."""
+    half = x.astype(np.float16)
+    half = np.where(half.astype(np.float32) > x, np.nextafter(half, np.float16(-np.inf)), half)
+    return half.astype(np.float32)
+
+
 def int4_groupwise(w: np.ndarray, group_size: int) -> BlockQuantized:
     n, k = w.shape
     if k % group_size:
@@ -53,7 +62,7 @@ def int4_groupwise(w: np.ndarray, group_size: int) -> BlockQuantized:
         raise ValueError(f"model.group_size = {group_size} does not divide this model's input width {k}; "
                          f"use {fits[0] if fits else 16} or another power of two dividing {k}")
     groups = w.reshape(n, k // group_size, group_size)
-    low = groups.min(axis=2).astype(np.float32)
+    low = _float16_at_most(groups.min(axis=2).astype(np.float32))
     scale = (groups.max(axis=2).astype(np.float32) - low) / np.float32(15)
     scale[scale == 0] = 1
     q = np.clip(np.rint((groups - low[:, :, None]) / scale[:, :, None]), 0, 15).astype(np.uint8)

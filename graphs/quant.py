@@ -29,7 +29,7 @@ class BlockQuantized:
     q: np.ndarray
     scale: np.ndarray  # float32
     zero_point: np.ndarray  # uint8, < 2**bits
-    minimum: np.ndarray | None  # float32, or None where the form has no additive term
+    minimum: np.ndarray | None  # float32 [n, blocks], or None where the form has no additive term
     bits: int
     block_size: int
     source: str  # what the codes came from, for reports: "Q4_1", "rtn-int4-g64", ...
@@ -49,9 +49,10 @@ class BlockQuantized:
 
     @property
     def nbytes(self) -> int:
-        """Bytes as stored: codes packed to `bits`, float32 scales and minima, uint8 zero points."""
+        """Bytes as stored: codes packed to `bits`, float32 scales, minima as `minimum_t` stores them, uint8 zero
+        points."""
         n, k = self.q.shape
-        extra = 0 if self.minimum is None else self.minimum.nbytes
+        extra = 0 if self.minimum is None else self.minimum.size * minimum_dtype(self.minimum).itemsize
         return n * k * self.bits // 8 + self.scale.nbytes + self.zero_point.nbytes + extra
 
     def dequantize(self) -> np.ndarray:
@@ -132,6 +133,27 @@ def concat_rows(parts: Sequence[Weight]) -> Weight:
 # The graph layout (the op variants' inputs, graphs/ops/linear.py and gather.py): ONNX Runtime's MatMulNBits
 # layout, so the ONNX lowering passes the initializers through untouched.
 
+def minimum_dtype(minimum: np.ndarray) -> np.dtype:
+    """float16 where every minimum is a float16 value (GGUF Q4_1 stores them so; the RTN int4 form rounds its
+    group minima to one), else float32 (Q4_K's dmin * m): the stored minima are always exact."""
+    with np.errstate(over="ignore"):
+        exact = np.array_equal(minimum.astype(np.float16).astype(np.float32), minimum)
+    return np.dtype(np.float16 if exact else np.float32)
+
+
+def pack_minimum(w: BlockQuantized) -> np.ndarray:
+    """The linear's minima as BlockMinimum reads them: transposed, [blocks, n] (one row per block, so the kernel
+    reads output columns contiguously and ONNX Runtime folds no Transpose into a copy), in `minimum_dtype`."""
+    if w.minimum is None:
+        raise ValueError(f"{w.source}: this weight form has no minima to pack")
+    return np.ascontiguousarray(w.minimum.T, minimum_dtype(w.minimum))
+
+
+def minimum_rows(minimum_t: np.ndarray | None) -> np.ndarray | None:
+    """Inverse of `pack_minimum`: float32 [n, blocks]."""
+    return None if minimum_t is None else np.ascontiguousarray(minimum_t.T, np.float32)
+
+
 def pack_codes(w: BlockQuantized) -> np.ndarray:
     """uint8 [n, blocks, block_size * bits / 8]; 4-bit codes two per byte, the even one in the low nibble."""
     n, k = w.shape
@@ -168,35 +190,39 @@ def unpack_zero_points(packed: np.ndarray | None, bits: int, blocks: int, rows: 
     return packed if bits == 8 else unpack_codes(packed, 4)[:, :blocks]
 
 
-def from_graph(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, minimum: np.ndarray | None,
+def from_graph(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, minimum_t: np.ndarray | None,
                bits: int, block_size: int, source: str = "graph") -> BlockQuantized:
-    """The weight the graph's packed inputs hold (what the read-back test and the op references decode)."""
+    """The weight a linear's packed inputs hold (what the read-back test and the op references decode)."""
     rows, blocks = scales.shape
     return BlockQuantized(unpack_codes(codes, bits), scales, unpack_zero_points(zero_points, bits, blocks, rows),
-                          minimum, bits, block_size, source)
+                          minimum_rows(minimum_t), bits, block_size, source)
 
 
 def graph_parts(name: str, w: BlockQuantized, gathered: bool = False) -> list[str | None]:
     """Names of the op variant's weight inputs: codes, scales, zero points, minimum (None where the form has none).
 
-    A `gathered` table (the embedding) reads its zero points unpacked: for 4 bits, `<name>.zero_point_rows`."""
+    A `gathered` table (the embedding) reads its zero points unpacked (for 4 bits, `<name>.zero_point_rows`) and
+    its minima as float32 rows (`<name>.minimum`); a linear reads `<name>.minimum_t` (`pack_minimum`)."""
     default_zero_point = bool(np.all(w.zero_point == 1 << (w.bits - 1)))
     zero_points = None if default_zero_point else f"{name}.zero_point_rows" if gathered and w.bits == 4 \
         else f"{name}.zero_points"
-    return [f"{name}.codes", f"{name}.scales", zero_points, None if w.minimum is None else f"{name}.minimum"]
+    minimum = None if w.minimum is None else f"{name}.minimum" if gathered else f"{name}.minimum_t"
+    return [f"{name}.codes", f"{name}.scales", zero_points, minimum]
 
 
 def graph_arrays(name: str, w: BlockQuantized, gathered: bool = False) -> dict[str, np.ndarray]:
     """The graph parameters of one quantized weight, under the names `graph_parts` gives (both the linear's and,
     for a `gathered` table, the gather's)."""
-    codes, scales, zero_points, minimum = graph_parts(name, w, gathered)
+    codes, scales, zero_points, _ = graph_parts(name, w, gathered)
     arrays = {codes: pack_codes(w), scales: np.ascontiguousarray(w.scale, np.float32)}
     if zero_points is not None:
         arrays[f"{name}.zero_points"] = pack_zero_points(w)  # type: ignore[assignment]
         arrays[zero_points] = np.ascontiguousarray(w.zero_point) if zero_points.endswith("_rows") \
             else arrays[f"{name}.zero_points"]
-    if minimum is not None:
-        arrays[minimum] = np.ascontiguousarray(w.minimum, np.float32)
+    if w.minimum is not None:
+        arrays[f"{name}.minimum_t"] = pack_minimum(w)
+        if gathered:
+            arrays[f"{name}.minimum"] = np.ascontiguousarray(w.minimum, np.float32)
     return arrays  # type: ignore[return-value]
 
 

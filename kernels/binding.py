@@ -140,9 +140,13 @@ def swiglu(x: np.ndarray) -> np.ndarray:
 
 
 def block_minimum(y: np.ndarray, x: np.ndarray, minimum_t: np.ndarray, block_size: int) -> np.ndarray:
+    """`minimum_t` float16 or float32 (kernels.h's pg_cache_dtype codes name them)."""
     f = np.float32
     out = np.empty_like(y)
-    _check(_library().pg_block_minimum(_ptr(y, f), _ptr(x, f), _ptr(minimum_t, f), _ptr(out, f),
+    if minimum_t.dtype not in (np.float16, np.float32):
+        raise TypeError(f"block_minimum: minimum_t is {minimum_t.dtype}, expected float16 or float32")
+    _check(_library().pg_block_minimum(_ptr(y, f), _ptr(x, f), _ptr(minimum_t, minimum_t.dtype),
+                                       ctypes.c_int32(_CACHE_CODES[minimum_t.dtype]), _ptr(out, f),
                                        ctypes.c_int64(y.shape[0]), ctypes.c_int64(y.shape[1]),
                                        ctypes.c_int64(x.shape[1]), ctypes.c_int64(block_size), None))
     return out

@@ -60,7 +60,8 @@ int pg_rope(const float *x, const float *cos, const float *sin, float *out, int6
 int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const pg_runner *runner);
 
 // out [tokens, n] = y + (x [tokens, k] summed over blocks of block_size) @ minimum_t [k / block_size, n]
-// (the minimum term of a GGUF Q4_1 / Q4_K linear); at most 1,024 blocks.
-int pg_block_minimum(const float *y, const float *x, const float *minimum_t, float *out, int64_t tokens, int64_t n,
-                     int64_t k, int64_t block_size, const pg_runner *runner);
+// (the minimum term of a GGUF Q4_1 / Q4_K linear); at most 1,024 blocks. minimum_dtype is a pg_cache_dtype
+// code: PG_CACHE_FLOAT16 or PG_CACHE_FLOAT32.
+int pg_block_minimum(const float *y, const float *x, const void *minimum_t, int32_t minimum_dtype, float *out,
+                     int64_t tokens, int64_t n, int64_t k, int64_t block_size, const pg_runner *runner);
 }

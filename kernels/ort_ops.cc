@@ -37,6 +37,7 @@ namespace {
 const OrtApi *api = nullptr;
 
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr auto BF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
@@ -361,11 +362,13 @@ struct SwiGLU {
   }
 };
 
-// y + blocksum(x) @ minimum_t: the minimum term of a Q4_1 / Q4_K linear beside MatMulNBits.
+// y + blocksum(x) @ minimum_t: the minimum term of a Q4_1 / Q4_K linear beside MatMulNBits; minimum_t float16
+// or float32.
 struct BlockMinimum {
   static constexpr const char *name = "BlockMinimum";
-  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, F32};
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, ANY};
   static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  static constexpr bool in_place = true;  // out over y: the kernel reads each y element before writing it
   int64_t block_size = 0;
 
   OrtStatus *init(const OrtKernelInfo *info) {
@@ -373,8 +376,12 @@ struct BlockMinimum {
   }
 
   OrtStatus *compute(OrtKernelContext *context) const {
-    Input<float> y, x, minimum_t;
+    Input<float> y, x;
+    Input<void> minimum_t;
     RETURN_IF_ERROR(get_inputs(context, y, x, minimum_t));
+    if (minimum_t.type != F32 && minimum_t.type != F16)
+      return invalid("minimum_t has element type " + std::to_string(minimum_t.type) +
+                     ", expected float16 or float32 (graphs/quant.pack_minimum)");
     RETURN_IF_ERROR(check_shape("y", y.shape, {-1, -1}));
     const int64_t tokens = y.shape[0], n = y.shape[1];
     RETURN_IF_ERROR(check_shape("x", x.shape, {tokens, -1}));
@@ -386,7 +393,8 @@ struct BlockMinimum {
     RETURN_IF_ERROR(get_output(context, 0, y.shape, out));
     const pg_runner runner = runner_of(context);
     return kernel_status(
-        pg_block_minimum(y.data, x.data, minimum_t.data, out, tokens, n, x.shape[1], block_size, &runner));
+        pg_block_minimum(y.data, x.data, minimum_t.data, minimum_t.type == F16 ? PG_CACHE_FLOAT16 : PG_CACHE_FLOAT32,
+                         out, tokens, n, x.shape[1], block_size, &runner));
   }
 };
 
@@ -445,6 +453,13 @@ struct HasInfer : std::false_type {};
 template <class Kernel>
 struct HasInfer<Kernel, std::void_t<decltype(&Kernel::infer)>> : std::true_type {};
 
+// Whether `Kernel` may write output 0 over input 0 (`Kernel::in_place`): then ORT's allocation planner can give the
+// output the input's buffer where nothing else reads it, one activation less at the step's peak.
+template <class Kernel, class = void>
+struct InPlace : std::false_type {};
+template <class Kernel>
+struct InPlace<Kernel, std::void_t<decltype(Kernel::in_place)>> : std::bool_constant<Kernel::in_place> {};
+
 // The OrtCustomOp of `Kernel`: its name and types, and callbacks that create, run and destroy it.
 template <class Kernel>
 struct CustomOp : OrtCustomOp {
@@ -478,6 +493,19 @@ struct CustomOp : OrtCustomOp {
     KernelDestroy = [](void *kernel) { delete static_cast<Kernel *>(kernel); };
     if constexpr (HasInfer<Kernel>::value)
       InferOutputShapeFn = [](const OrtCustomOp *, OrtShapeInferContext *context) { return Kernel::infer(context); };
+#if ORT_API_VERSION >= 18  // GetMayInplace's version
+    if constexpr (InPlace<Kernel>::value) {
+      GetMayInplace = [](int **input_index, int **output_index) -> size_t {
+        *input_index = new int[1]{0};
+        *output_index = new int[1]{0};
+        return 1;
+      };
+      ReleaseMayInplace = [](int *input_index, int *output_index) {
+        delete[] input_index;
+        delete[] output_index;
+      };
+    }
+#endif
   }
 };
 

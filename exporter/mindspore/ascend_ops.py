@@ -225,14 +225,16 @@ class LinearW8A8Static(Body):
 class LinearBlockQuantized(Body):
     """W8A16 / W4A16: WeightQuantBatchMatmul on int8 or int4 codes [n, k] (ATB's layout, transpose_weight),
     y = x @ ((codes + antiquant_offset) * antiquant_scale).T per group of `block_size` inputs. The weights
-    come as `ascend_block_arrays` writes them; a minimum (GGUF Q4_1's form) joins the offset as minimum / scale."""
+    come as `ascend_block_arrays` writes them; a minimum (GGUF Q4_1's form, stored transposed as minimum_t, the ONNX
+    graphs' layout) joins the offset as minimum / scale."""
 
     def __init__(self, attrs: Any, target: Any) -> None:
         super().__init__()
         # one group spanning the row is per-channel (group size 0); groups are multiples of 32 (ascend_block_arrays)
         self.matmul = prims.WeightQuantBatchMatmul(False, True, 0 if attrs.block_size == attrs.K else attrs.block_size)
 
-    def construct(self, x, codes, scales, zero_points, minimum, bias):
+    def construct(self, x, codes, scales, zero_points, minimum_t, bias):
+        minimum = None if minimum_t is None else ops.transpose(minimum_t, (1, 0))
         return self.matmul(x, codes, scales, _antiquant_offset(zero_points, minimum, scales), None, None, bias)
 
 
@@ -264,14 +266,14 @@ def _antiquant_offset(zero_points, minimum, scales):
 
 
 def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
-                        minimum: np.ndarray | None, bits: int, block_size: int, dtype: str) -> list[np.ndarray | None]:
-    """A block-quantized weight's graph arrays (MatMulNBits' layout, graphs/quant.py) as the Ascend bodies take
+                        minimum_t: np.ndarray | None, bits: int, block_size: int, dtype: str) -> list[np.ndarray | None]:
+    """A linear's block-quantized graph arrays (MatMulNBits' layout, graphs/quant.py) as the Ascend bodies take
     them: signed codes (code - 2**(bits-1)), int8 [n, k] or int4 packed two a byte [n, k / 2] (MindSpore's
-    qint4x2), scales and minimum in the compute dtype, and for zero points the offset 2**(bits-1) - zero_point
+    qint4x2), scales and minimum_t in the compute dtype, and for zero points the offset 2**(bits-1) - zero_point
     on those codes (None where it is 0 everywhere)."""
     if block_size % 32 and scales.shape[1] != 1:
         raise ValueError(f"blocks of {block_size}: WeightQuantBatchMatmul takes groups of a multiple of 32 inputs")
-    w = from_graph(codes, scales, zero_points, minimum, bits, block_size)
+    w = from_graph(codes, scales, zero_points, minimum_t, bits, block_size)
     compute = numpy_dtype(dtype)
     offset = (1 << (bits - 1)) - w.zero_point.astype(np.float32)
     signed = (w.q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
@@ -280,7 +282,7 @@ def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.n
         signed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(np.int8)
     return [signed, w.scale.astype(compute),
             None if zero_points is None else offset.astype(compute),
-            None if minimum is None else minimum.astype(compute)]
+            None if minimum_t is None else minimum_t.astype(compute)]
 
 
 def w8a8_static_arrays(w: Int8PerChannel, input_scale: float, input_offset: int, dtype: str) -> list[np.ndarray]:

@@ -174,8 +174,9 @@ def _target_arrays(weights: dict[str, Any], dtype: str, w8a8_inputs: dict[str, t
         from .ascend_ops import ascend_block_arrays
 
         gathered = name == "embed"
-        if gathered and w.bits != 8:
-            raise ValueError(f"the {w.bits}-bit embedding ({w.source}): the Ascend gather reads int8 rows only")
+        if gathered and (w.bits != 8 or w.minimum is not None):
+            raise ValueError(f"the {w.bits}-bit embedding ({w.source}): the Ascend gather reads int8 rows without a "
+                             "minimum only")
         names, arrays = graph_parts(name, w, gathered), graph_arrays(name, w, gathered)
         parts = ascend_block_arrays(*(None if n is None else arrays[n] for n in names), w.bits, w.block_size, dtype)
         out.update({n: part for n, part in zip(names, parts) if n is not None and part is not None})

@@ -33,24 +33,23 @@ class OnnxGraph(Protocol):
 def linear_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any, *,
                            block_minimum: Callable[[Any, Sequence[str], Any], Sequence[str]]) -> list[str]:
     """`block_minimum` is BlockMinimum's body (exporter/onnx/lowering.py binds it: the function lives there)."""
-    x, codes, scales, zero_points, minimum, bias = inputs
+    x, codes, scales, zero_points, minimum_t, bias = inputs
     n = g.n
     g.opsets.setdefault(MS_DOMAIN, 1)
     nbits_inputs = [x, codes, scales] + ([zero_points] if zero_points else [])
     out = n.op("MatMulNBits", *nbits_inputs, domain=MS_DOMAIN, K=attrs.K, N=attrs.N, bits=attrs.bits,
                block_size=attrs.block_size, accuracy_level=attrs.accuracy_level)
-    if minimum:
-        minimum_t = n.op("Transpose", minimum, perm=[1, 0])  # ONNX Runtime folds it into an initializer
+    if minimum_t:  # stored in BlockMinimum's layout (graphs/quant.pack_minimum): nothing for ORT to fold
         out = block_minimum(g, [out, x, minimum_t], BlockMinimumAttributes(attrs.block_size))[0]
     return [n.op("Add", out, bias) if bias else out]
 
 
 def block_minimum(n: Nodes) -> list[str]:
-    """BlockMinimum's function body: y + ReduceSum(x in blocks) @ minimum_t."""
+    """BlockMinimum's function body: y + ReduceSum(x in blocks) @ float32(minimum_t)."""
     block = n.unsqueeze(n.attr_const("block_size", "int"), [0])
     blocks = n.op("Reshape", "x", n.op("Concat", n.const([0, -1]), block, axis=0))
     sums = n.op("ReduceSum", blocks, n.const([2]), keepdims=0)
-    return [n.op("Add", "y", n.op("MatMul", sums, "minimum_t"))]
+    return [n.op("Add", "y", n.op("MatMul", sums, n.op("Cast", "minimum_t", to=TensorProto.FLOAT)))]
 
 
 def gather_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:

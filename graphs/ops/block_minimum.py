@@ -5,7 +5,9 @@ W[n, j] = W0[n, j] + minimum[n, j // block_size], x @ W^T = x @ W0^T + blocksum(
 weights stay the file's while MatMulNBits (which has no additive term) runs W0. The ONNX body of
 Linear.block_quantized adds it as this one node: as standard ops it is four (Reshape, ReduceSum, MatMul, Add),
 about a third of a B = 1 decode step of a Q4_1 model (docs/performance.md, 'Precision'). The minima come
-transposed, one row per block, so the kernel reads output columns contiguously.
+transposed, one row per block, so the kernel reads output columns contiguously, and as float16 where that is exact
+(Q4_1's own precision; float32 otherwise, e.g. Q4_K's dmin * m): stored so, ONNX Runtime makes no folded copy of
+them, and a step reads half the bytes.
 """
 from __future__ import annotations
 
@@ -29,19 +31,24 @@ def block_minimum(y: np.ndarray, x: np.ndarray, minimum_t: np.ndarray, block_siz
 
 
 def _examples() -> Iterator[Example]:
-    """Token counts around the kernel's tiles of 4, column counts around its steps of 32, blocks of 32 and 16."""
+    """Token counts around the kernel's tiles of 4, column counts around its steps of 32, blocks of 32 and 16,
+    float16 and float32 minima."""
     rng = np.random.default_rng(0)
-    for tokens, k, n, block in ((1, 576, 96, 32), (6, 128, 44, 16), (37, 1536, 64, 32), (3, 64, 5, 16)):
-        y, x, minimum_t = normal(rng, tokens, n), normal(rng, tokens, k), normal(rng, k // block, n, scale=0.05)
+    for tokens, k, n, block, dtype in ((1, 576, 96, 32, np.float16), (6, 128, 44, 16, np.float16),
+                                       (37, 1536, 64, 32, np.float16), (3, 64, 5, 16, np.float16),
+                                       (5, 576, 72, 32, np.float32), (1, 64, 13, 16, np.float32)):
+        y, x = normal(rng, tokens, n), normal(rng, tokens, k)
+        minimum_t = normal(rng, k // block, n, scale=0.05).astype(dtype)
         scale = float(np.abs(block_minimum(y, x, minimum_t, block)).max())
         yield Example((y, x, minimum_t), dict(block_size=block), atol=1e-6 * scale, rtol=1e-5,
-                      label=f"[{tokens}, {k}] blocks of {block}, N {n}")
+                      label=f"[{tokens}, {k}] blocks of {block}, N {n}, {np.dtype(dtype).name} minima")
 
 
 BLOCK_MINIMUM = Op(
     name="BlockMinimum",
     atb="none: the minimum term of Linear.block_quantized's ONNX body (MatMulNBits has none)",
-    inputs=(Tensor("y", ("T", "N")), Tensor("x", ("T", "K")), Tensor("minimum_t", ("K // block_size", "N"))),
+    inputs=(Tensor("y", ("T", "N")), Tensor("x", ("T", "K")),
+            Tensor("minimum_t", ("K // block_size", "N"), ("float16", "float32"))),
     outputs=(Tensor("out", ("T", "N")),),
     attributes=BlockMinimumAttributes,
     reference=block_minimum,

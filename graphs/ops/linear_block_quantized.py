@@ -3,7 +3,9 @@
 W[n, j] = (code[n, j] - zero_point[n, b]) * scale[n, b] + minimum[n, b], b = j // block_size (graphs/quant.py),
 in ONNX Runtime's MatMulNBits layout: codes uint8 [N, K / block_size, block_size * bits / 8] (4-bit codes two per
 byte, low nibble first), float32 scales [N, blocks], optional packed uint8 zero points (default 2**(bits-1)),
-and an optional float32 minimum [N, blocks] (GGUF Q4_1 / Q4_K). The references dequantize, then run the fp32 op.
+and optional minima (GGUF Q4_1 / Q4_K): the linear's transposed, minimum_t [blocks, N], float16 where that is
+exact (Q4_1's own precision) else float32 (graphs/quant.pack_minimum), BlockMinimum's layout; the gather's as float32
+rows [V, blocks]. The references dequantize, then run the fp32 op.
 ATB counterparts: LinearOperation with W4A16/W8A16 weights (MindSpore WeightQuantBatchMatmul on Ascend).
 """
 from __future__ import annotations
@@ -35,9 +37,9 @@ class GatherBlockQuantizedAttributes(Attributes):
 
 
 def linear_block_quantized(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
-                           minimum: np.ndarray | None, bias: np.ndarray | None, *, K: int, N: int, bits: int,  # noqa: N803
-                           block_size: int, accuracy_level: int) -> np.ndarray:
-    w = from_graph(codes, scales, zero_points, minimum, bits, block_size).dequantize()
+                           minimum_t: np.ndarray | None, bias: np.ndarray | None, *, K: int,  # noqa: N803
+                           N: int, bits: int, block_size: int, accuracy_level: int) -> np.ndarray:  # noqa: N803
+    w = from_graph(codes, scales, zero_points, minimum_t, bits, block_size).dequantize()
     out = x @ w.T
     return (out if bias is None else out + bias).astype(np.float32)
 
@@ -53,28 +55,31 @@ def gather_block_quantized(codes: np.ndarray, scales: np.ndarray, zero_points: n
 
 
 def _forms() -> Iterator[tuple[str, BlockQuantized]]:
-    """The forms the exporter writes, with random codes: GGUF Q4_0 (zero point 8), Q4_1 / Q4_K (zero point 0 plus
-    a minimum), Q8_0 and RTN int8 (zero point 128), RTN int4 (a zero point per group), and 8-bit zero points."""
+    """The forms the exporter writes, with random codes: GGUF Q4_0 (zero point 8), Q4_1 / RTN int4 (zero point 0
+    plus a float16 minimum), Q4_K (a float32 minimum), Q8_0 and RTN int8 (zero point 128), int4 with a zero point per
+    group, and 8-bit zero points."""
     rng = np.random.default_rng(0)
     n, k = 40, 128
 
-    def form(label: str, bits: int, block: int, zero_point: np.ndarray | int, minimum: bool) -> tuple[str, BlockQuantized]:
+    def form(label: str, bits: int, block: int, zero_point: np.ndarray | int,
+             minimum: str | None = None) -> tuple[str, BlockQuantized]:
         blocks = (n, k // block)
         zp = np.full(blocks, zero_point, np.uint8) if isinstance(zero_point, int) else zero_point
+        low = None if minimum is None else normal(rng, *blocks, scale=0.1).astype(minimum).astype(np.float32)
         return label, BlockQuantized(rng.integers(0, 1 << bits, (n, k), dtype=np.uint8),
-                                     rng.uniform(0.001, 0.05, blocks).astype(np.float32), zp,
-                                     normal(rng, *blocks, scale=0.1) if minimum else None, bits, block, label)
+                                     rng.uniform(0.001, 0.05, blocks).astype(np.float32), zp, low, bits, block, label)
 
-    yield form("4-bit, zero point 8 (Q4_0)", 4, 32, 8, False)
-    yield form("4-bit, minimum (Q4_1, Q4_K)", 4, 32, 0, True)
-    yield form("8-bit, zero point 128 (Q8_0, int8 RTN)", 8, 32, 128, False)
-    yield form("4-bit, zero point per group (int4 RTN)", 4, 64, rng.integers(0, 16, (n, 2), dtype=np.uint8), False)
-    yield form("8-bit, zero point per block (Q6_K-like)", 8, 16, rng.integers(0, 256, (n, 8), dtype=np.uint8), False)
+    yield form("4-bit, zero point 8 (Q4_0)", 4, 32, 8)
+    yield form("4-bit, float16 minimum (Q4_1, RTN int4)", 4, 32, 0, "float16")
+    yield form("4-bit, float32 minimum (Q4_K)", 4, 32, 0, "float32")
+    yield form("8-bit, zero point 128 (Q8_0, int8 RTN)", 8, 32, 128)
+    yield form("4-bit, zero point per group", 4, 64, rng.integers(0, 16, (n, 2), dtype=np.uint8))
+    yield form("8-bit, zero point per block (Q6_K-like)", 8, 16, rng.integers(0, 256, (n, 8), dtype=np.uint8))
 
 
 def _linear_inputs(w: BlockQuantized) -> tuple[np.ndarray | None, ...]:
     arrays = graph_arrays("w", w)
-    return (arrays["w.codes"], arrays["w.scales"], arrays.get("w.zero_points"), arrays.get("w.minimum"))
+    return (arrays["w.codes"], arrays["w.scales"], arrays.get("w.zero_points"), arrays.get("w.minimum_t"))
 
 
 def _linear_examples() -> Iterator[Example]:
@@ -102,14 +107,14 @@ def _gather_examples() -> Iterator[Example]:
 
 _CODES = Tensor("codes", ("N", "K // block_size", "block_size * bits // 8"), ("uint8",))
 _SCALES = Tensor("scales", ("N", "K // block_size"))
-_MINIMUM = Tensor("minimum", ("N", "K // block_size"), optional=True)
+_MINIMUM_T = Tensor("minimum_t", ("K // block_size", "N"), ("float16", "float32"), optional=True)
 
 LINEAR_BLOCK_QUANTIZED = Op(
     name="Linear",
     variant="block_quantized",
     atb="LinearOperation, W4A16/W8A16 weights (MatMulNBits on CPU)",
     inputs=(Tensor("x", ("T", "K")), _CODES, _SCALES, Tensor("zero_points", ("N", "Z"), ("uint8",), optional=True),
-            _MINIMUM, Tensor("bias", ("N",), optional=True)),
+            _MINIMUM_T, Tensor("bias", ("N",), optional=True)),
     outputs=(Tensor("y", ("T", "N")),),
     reference=linear_block_quantized,
     attributes=BlockQuantizedAttributes,

@@ -294,8 +294,8 @@ def _ascend_weight(weights: dict[str, np.ndarray], name: str, bits: int) -> np.n
         codes = np.where(codes > 7, codes.astype(np.int16) - 16, codes)
     scale = weights[f"{name}.scales"].astype(np.float32)
     offset = weights.get(f"{name}.zero_points", np.zeros_like(scale)).astype(np.float32)
-    if f"{name}.minimum" in weights:
-        offset = offset + weights[f"{name}.minimum"].astype(np.float32) / scale
+    if f"{name}.minimum_t" in weights:
+        offset = offset + weights[f"{name}.minimum_t"].astype(np.float32).T / scale
     group = codes.shape[1] // scale.shape[1]
     return (codes.astype(np.float32) + np.repeat(offset, group, 1)) * np.repeat(scale, group, 1)
 

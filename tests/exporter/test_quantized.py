@@ -55,7 +55,7 @@ def _written_weight(model: onnx.ModelProto, name: str) -> BlockQuantized:
     node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{name}.codes")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     return quant.from_graph(init[f"{name}.codes"], init[f"{name}.scales"], init.get(f"{name}.zero_points"),
-                            init.get(f"{name}.minimum"), attrs["bits"], attrs["block_size"])
+                            init.get(f"{name}.minimum_t"), attrs["bits"], attrs["block_size"])
 
 
 @pytest.mark.parametrize("qtype", GGUF_BLOCK_TYPES, ids=lambda t: t.name)
@@ -96,7 +96,10 @@ def test_q4_1_minimum_is_one_block_minimum_node_and_kernel_and_body_match_fp32(t
     model = onnx.load_model(tmp_path / "gguf" / GRAPH)
     nodes = [n.op_type for n in model.graph.node]
     assert nodes.count("BlockMinimum") == nodes.count("MatMulNBits") == 2 * 4 + 1  # and the Q4_1 LM head
-    assert "ReduceSum" not in nodes
+    assert "ReduceSum" not in nodes and "Transpose" not in nodes
+    minima = {t.name: t for t in model.graph.initializer if t.name.endswith(".minimum_t")}
+    # stored in BlockMinimum's layout, in the file's float16 (ORT has nothing to fold into a float32 copy)
+    assert len(minima) == 2 * 4 + 1 and {t.data_type for t in minima.values()} == {onnx.TensorProto.FLOAT16}
     body = _prefill_logits(model, manifest, tokens)
     kernel = _prefill_logits(model, manifest, tokens, custom_op_library)
     scale = np.abs(reference).max()
@@ -184,6 +187,9 @@ def test_rtn_quantizers_keep_every_weight_within_half_a_step() -> None:
     assert (np.abs(int8.dequantize() - w) <= int8.scale[:, :1] / 2 * (1 + 1e-6)).all()
     int4 = int4_groupwise(w, 64)
     assert int4.q.max() <= 15 and int4.minimum is not None and int4.scale.shape == (32, 3)
+    # the group minima are float16 values (stored so, exactly) at or below every weight of their group
+    assert quant.minimum_dtype(int4.minimum) == np.float16
+    assert (int4.minimum <= w.reshape(32, 3, 64).min(axis=2)).all()
     step = np.repeat(int4.scale, 64, axis=1)
     assert (np.abs(int4.dequantize() - w) <= step * (0.5 + 1e-5)).all()
     with pytest.raises(ValueError, match="group_size = 128 does not divide .* 192; use 64"):
