@@ -152,6 +152,14 @@ def block_minimum(y: np.ndarray, x: np.ndarray, minimum_t: np.ndarray, block_siz
     return out
 
 
+def dynamic_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    codes = np.empty(x.shape, np.uint8)
+    row_scale = np.empty((x.shape[0], 1), np.float32)
+    _check(_library().pg_dynamic_quant(_ptr(x, np.float32), _ptr(codes, np.uint8), _ptr(row_scale, np.float32),
+                                       ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]), None))
+    return codes, row_scale
+
+
 def _rope_query_key(query: np.ndarray, key: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                     head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return rope(query, cos, sin, head_dim), rope(key, cos, sin, head_dim)
@@ -170,7 +178,7 @@ KERNELS: Lowering[KernelBody] = Lowering(
     {**{write: _body(reshape_and_cache) for write, _ in ops.KV_CACHE_OPS.values()},
      **{attend: _body(paged_attention) for _, attend in ops.KV_CACHE_OPS.values()},
      ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu),
-     ops.BLOCK_MINIMUM: _body(block_minimum)},
+     ops.BLOCK_MINIMUM: _body(block_minimum), ops.DYNAMIC_QUANT: _body(dynamic_quant)},
     partial=True)
 
 

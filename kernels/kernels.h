@@ -64,4 +64,9 @@ int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const p
 // code: PG_CACHE_FLOAT16 or PG_CACHE_FLOAT32.
 int pg_block_minimum(const float *y, const float *x, const void *minimum_t, int32_t minimum_dtype, float *out,
                      int64_t tokens, int64_t n, int64_t k, int64_t block_size, const pg_runner *runner);
+
+// Per-token int8 of x [tokens, k] (Linear.w8a8's input): row_scale [tokens] = max(max |x[t]|, 1e-8) / 127 and
+// codes [tokens, k] = round_half_even(x / row_scale) + 128 (uint8, the ONNX body's exact values).
+int pg_dynamic_quant(const float *x, uint8_t *codes, float *row_scale, int64_t tokens, int64_t k,
+                     const pg_runner *runner);
 }

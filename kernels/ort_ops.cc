@@ -1,6 +1,7 @@
-// ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope, SwiGLU
-// and BlockMinimum, each ONE call into our kernels instead of the standard ops of its model-local function
-// body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum);
+// ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope, SwiGLU,
+// BlockMinimum and DynamicQuant, each ONE call into our kernels instead of the standard ops of its model-local
+// function body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum, 8 for a
+// per-token quantize);
 // with oneDNN (PG_WITH_ONEDNN), Linear.bfloat16 too, whose body's Cast + Gemm would run ORT's float32 GEMM on
 // widened weights (ORT has no bf16 GEMM on x86).
 //
@@ -41,6 +42,7 @@ constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr auto BF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+constexpr auto U8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // a KV pool: any cache dtype, read per call
 
 OrtStatus *invalid(const std::string &message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message.c_str()); }
@@ -398,6 +400,27 @@ struct BlockMinimum {
   }
 };
 
+// Per-token int8 of Linear.w8a8's input: codes + 128 as uint8 [T, K] and the row scales [T, 1].
+struct DynamicQuant {
+  static constexpr const char *name = "DynamicQuant";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32};
+  static constexpr ONNXTensorElementDataType outputs[] = {U8, F32};
+
+  OrtStatus *init(const OrtKernelInfo *) { return nullptr; }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> x;
+    RETURN_IF_ERROR(get_inputs(context, x));
+    RETURN_IF_ERROR(check_shape("x", x.shape, {-1, -1}));
+    uint8_t *codes;
+    float *row_scale;
+    RETURN_IF_ERROR(get_output(context, 0, x.shape, codes));
+    RETURN_IF_ERROR(get_output(context, 1, {x.shape[0], 1}, row_scale));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_dynamic_quant(x.data, codes, row_scale, x.shape[0], x.shape[1], &runner));
+  }
+};
+
 #ifdef PG_WITH_ONEDNN
 // Linear.bfloat16 (graphs/ops/linear_bf16.py): y = bf16(x) @ weight^T, weight bfloat16 [N, K], on oneDNN's
 // matmul (kernels/onednn_linear.cc: ORT's threads; an initializer's weights are prepacked once).
@@ -515,6 +538,7 @@ CustomOp<SelfAttention> self_attention_op;
 CustomOp<Rope> rope_op;
 CustomOp<SwiGLU> swiglu_op;
 CustomOp<BlockMinimum> block_minimum_op;
+CustomOp<DynamicQuant> dynamic_quant_op;
 #ifdef PG_WITH_ONEDNN
 CustomOp<Linear> linear_op;
 #endif
@@ -537,6 +561,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
                           static_cast<OrtCustomOp *>(&self_attention_op), static_cast<OrtCustomOp *>(&rope_op),
                           static_cast<OrtCustomOp *>(&swiglu_op),
                           static_cast<OrtCustomOp *>(&block_minimum_op),
+                          static_cast<OrtCustomOp *>(&dynamic_quant_op),
 #ifdef PG_WITH_ONEDNN
                           static_cast<OrtCustomOp *>(&linear_op),
 #endif

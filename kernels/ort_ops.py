@@ -27,6 +27,7 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
     # One ReshapeAndCache and one PagedAttention struct serve every cache dtype (the pools' element type is
     # read per call; int8's parameters are the trailing optional inputs).
     {op: CustomKernel(op) for op in (*(op for pair in ops.KV_CACHE_OPS.values() for op in pair), ops.SELF_ATTENTION,
-                                     ops.ROPE, ops.SWIGLU, ops.BLOCK_MINIMUM)},
+                                     ops.ROPE, ops.SWIGLU, ops.BLOCK_MINIMUM,
+                                     ops.DYNAMIC_QUANT)},
     fallback="onnx")
 ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "kernels/onednn_linear.cc", onednn=True))

@@ -307,8 +307,9 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
 MINDSPORE_ASCEND.refuse(op_set.BLOCK_MINIMUM, "the Ascend Linear.block_quantized body takes a minimum into "
                                              "WeightQuantBatchMatmul's antiquant offset; BlockMinimum is the ONNX "
                                              "body's exact term")
-MINDSPORE_ASCEND.refuse(op_set.LINEAR_W8A8, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
-                                            "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")
+for _op in (op_set.LINEAR_W8A8, op_set.DYNAMIC_QUANT):
+    MINDSPORE_ASCEND.refuse(_op, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
+                                 "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")
 for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
     MINDSPORE_ASCEND.refuse(_op, "not needed: the Ascend MINDIR casts its float weights to the compute dtype and "
                                  "runs Linear (MatMul takes bfloat16 natively); Linear.bfloat16 is the ONNX CPU form")

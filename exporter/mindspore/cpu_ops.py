@@ -124,8 +124,9 @@ for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set
                               "(export refuses mindir with a quantization)")
 MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend only; the CPU graphs use "
                                                 "Linear.w8a8 (ONNX)")
-MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend "
-                                         "only); w8a8 artifacts are ONNX only (export refuses mindir with a quantization)")
+for _op in (op_set.LINEAR_W8A8, op_set.DYNAMIC_QUANT):
+    MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend only); w8a8 "
+                              "artifacts are ONNX only (export refuses mindir with a quantization)")
 for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
     MINDSPORE_CPU.refuse(_op, "the MindSpore CPU graphs compute float32 (kernels/mindspore_aot.cc); bfloat16 compute "
                               "on CPU is the ONNX graphs' (oneDNN); export refuses mindir with model.dtype bfloat16")

@@ -141,7 +141,8 @@ def _swiglu(n: Nodes) -> list[str]:
 
 
 _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
-    ops.BLOCK_MINIMUM: quantized.block_minimum, ops.LINEAR_BF16: _linear_bf16_body,
+    ops.BLOCK_MINIMUM: quantized.block_minimum, ops.DYNAMIC_QUANT: quantized.dynamic_quant,
+    ops.LINEAR_BF16: _linear_bf16_body,
     ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
     **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
     **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
@@ -153,7 +154,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
      ops.LINEAR_BLOCK_QUANTIZED: partial(quantized.linear_block_quantized,
                                          block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
-     ops.LINEAR_W8A8: quantized.linear_w8a8,
+     ops.LINEAR_W8A8: partial(quantized.linear_w8a8, dynamic_quant=_FUNCTION_BODIES[ops.DYNAMIC_QUANT]),
      ops.GATHER_BF16: _gather_bf16,
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "

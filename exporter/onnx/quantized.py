@@ -1,4 +1,5 @@
-"""ONNX bodies of Linear.block_quantized (`com.microsoft.MatMulNBits`), Gather.block_quantized and Linear.w8a8.
+"""ONNX bodies of Linear.block_quantized (`com.microsoft.MatMulNBits`), Gather.block_quantized, Linear.w8a8 and
+DynamicQuant.
 
 Linear: MatMulNBits(x, codes, scales[, zero points]) runs the blocks as they are (ORT's MLAS kernel; the
 op's inputs are already in its layout). A form with a per-block minimum (GGUF Q4_1, Q4_K) adds
@@ -19,6 +20,7 @@ from onnx import TensorProto
 from .nodes import Nodes
 from ...graphs.ops.block_minimum import BlockMinimumAttributes
 from ...graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
+from ...graphs.ops.op import NoAttributes
 
 MS_DOMAIN = "com.microsoft"
 
@@ -72,9 +74,11 @@ def gather_block_quantized(g: OnnxGraph, inputs: Sequence[str | None], attrs: An
     return [n.op("Reshape", values, n.const([0, attrs.K]))]
 
 
-def linear_w8a8(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[str]:
-    """Per-token quantize in standard ops, then `com.microsoft.MatMulIntegerToFloat` (MLAS's u8s8 int8 GEMM with
-    the per-column weight scale fused) and the per-row activation scale.
+def linear_w8a8(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any, *,
+                dynamic_quant: Callable[[Any, Sequence[str], Any], Sequence[str]]) -> list[str]:
+    """One DynamicQuant node (the per-token quantize; `dynamic_quant` is its body, bound in exporter/onnx/lowering.py),
+    then `com.microsoft.MatMulIntegerToFloat` (MLAS's u8s8 int8 GEMM with the per-column weight scale fused) and
+    the per-row activation scale.
 
     The symmetric codes (-127..127) are shifted by 128 into uint8 with one zero point for every row: ORT takes
     only a scalar activation zero point, and its u8s8 kernel is the fast one (s8s8 falls back, measured in
@@ -82,12 +86,17 @@ def linear_w8a8(g: OnnxGraph, inputs: Sequence[str | None], attrs: Any) -> list[
     x, weight, scale, bias = inputs
     n = g.n
     g.opsets.setdefault(MS_DOMAIN, 1)
-    row_max = n.op("Max", n.op("ReduceMax", n.op("Abs", x), axes=[1], keepdims=1),
-                   n.const(ROW_MAX_FLOOR, np.float32))
-    row_scale = n.op("Div", row_max, n.const(127.0, np.float32))
-    codes = n.op("Add", n.op("Round", n.op("Div", x, row_scale)), n.const(128.0, np.float32))
-    codes = n.op("Cast", codes, to=TensorProto.UINT8)
+    codes, row_scale = dynamic_quant(g, [x], NoAttributes())
     out = n.op("MatMulIntegerToFloat", codes, weight, n.const(1.0, np.float32), scale, n.const(128, np.uint8),
                domain=MS_DOMAIN)
     out = n.op("Mul", out, row_scale)
     return [n.op("Add", out, bias) if bias else out]
+
+
+def dynamic_quant(n: Nodes) -> list[str]:
+    """DynamicQuant's function body: the row scale max(max |x|, floor) / 127, then round(x / scale) + 128 as uint8."""
+    row_max = n.op("Max", n.op("ReduceMax", n.op("Abs", "x"), axes=[1], keepdims=1),
+                   n.const(ROW_MAX_FLOOR, np.float32))
+    row_scale = n.op("Div", row_max, n.const(127.0, np.float32))
+    codes = n.op("Add", n.op("Round", n.op("Div", "x", row_scale)), n.const(128.0, np.float32))
+    return [n.op("Cast", codes, to=TensorProto.UINT8), row_scale]

@@ -115,13 +115,14 @@ def _export_tiny(tmp_path: Path, quantization: str) -> Manifest:
     return export(config, tmp_path / quantization, log=io.StringIO())
 
 
-def test_w8a8_artifact_holds_int8_per_channel_weights_and_tracks_fp32(tmp_path: Path) -> None:
+def test_w8a8_artifact_holds_int8_per_channel_weights_and_tracks_fp32(tmp_path: Path, custom_op_library: Path
+                                                                       ) -> None:
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, ffn=128)
-    logits = {}
+    logits, tokens = {}, [1, 2, 3, 4, 1, 3, 2]
     for quantization in ("w8a8", "none"):
         manifest = _export_tiny(tmp_path, quantization)
         model = onnx.load_model(tmp_path / quantization / GRAPH)
-        logits[quantization] = _prefill_logits(model, manifest, [1, 2, 3, 4, 1, 3, 2])
+        logits[quantization] = _prefill_logits(model, manifest, tokens)
     assert manifest.quantization == "none"
     manifest = Manifest.load(tmp_path / "w8a8")
     assert manifest.quantization == "w8a8"
@@ -130,6 +131,11 @@ def test_w8a8_artifact_holds_int8_per_channel_weights_and_tracks_fp32(tmp_path: 
     nodes = [n.op_type for n in model.graph.node]
     # qkv, o_proj, gate_up per layer; down_proj (weight-only int8) and the untied LM head through MatMulNBits
     assert nodes.count("MatMulIntegerToFloat") == 2 * 3 and nodes.count("MatMulNBits") == 2 + 1
+    # each per-token quantize is ONE DynamicQuant node; with the custom ops (its kernel, and the attention's and
+    # SwiGLU's in their own summation order) the logits stay the function bodies'
+    assert nodes.count("DynamicQuant") == 2 * 3 and "Round" not in nodes
+    kernel = _prefill_logits(model, manifest, tokens, custom_op_library)
+    assert np.abs(kernel - logits["w8a8"]).max() <= 1e-5 * np.abs(logits["w8a8"]).max()
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     o_proj = Int8PerChannel.quantize(expected["model.layers.1.self_attn.o_proj.weight"])
     np.testing.assert_array_equal(init["layers.1.o_proj.int8_t"], o_proj.q.T)
