@@ -8,12 +8,15 @@ Both formats hold a linear [n, k] as (code - zero) * scale with one fp16 scale a
 
 | format | qweight (int32) | qzeros (int32) | scales | zero |
 |---|---|---|---|---|
-| GPTQ v1 (`checkpoint_format` gptq) | [k * bits / 32, n], along k | [groups, n * bits / 32] | [groups, n] | stored + 1 |
+| GPTQ v1 (`checkpoint_format` gptq) | [k * bits / 32, n], along k | [groups, n * bits / 32] | [groups, n] | stored+1 |
 | GPTQ v2 (`checkpoint_format` gptq_v2) | same | same | same | stored |
 | AWQ GEMM (`version` gemm) | [k, n / 8], along n, AWQ_ORDER | [groups, n / 8], AWQ_ORDER | [groups, n] | stored |
 
-GPTQ v1 stores zero - 1 (AutoGPTQ's kernels add the 1 back); reading (stored + 1) masked to `bits` is what
-AutoGPTQ's own torch path does (qlinear_cuda_old.QuantLinear.forward). Act-order (desc_act) checkpoints whose
+GPTQ v1 stores zero - 1 (AutoGPTQ's kernels add the 1 back). The one value where readers differ is a stored
+2**bits - 1, which only the packer's zero 0 (stored as -1) writes: it is read as 0 (masked to `bits`, as
+AutoGPTQ's qlinear_cuda_old torch path does; its qlinear_cuda path and GPTQModel's v1 -> v2 conversion give
+2**bits). A group that does not divide k leaves a partial last group (GPTQ allows it); the blocks are then the
+largest MatMulNBits size dividing both. Act-order (desc_act) checkpoints whose
 `g_idx` is not k // group_size are refused: their groups are scattered over k, and ONNX Runtime 1.32's MatMulNBits
 marks its `g_idx` input deprecated, so mapping them would need a permutation of every linear's input.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+import math
 
 import numpy as np
 
@@ -66,7 +71,7 @@ class PackedFormat:
 
     def parts(self, n: int, k: int) -> dict[str, Part]:
         """The tensors a linear of [n, k] is stored as."""
-        per, groups = 32 // self.bits, k // self.group(k)
+        per, groups = 32 // self.bits, -(-k // self.group(k))  # a last group may be partial (GPTQ)
         scales = Part((groups, n), ("F16", "BF16", "F32"))
         if self.method == "awq":
             return {"qweight": Part((k, n // per), ("I32",)), "qzeros": Part((groups, n // per), ("I32",)),
@@ -77,11 +82,11 @@ class PackedFormat:
     def check_dims(self, name: str, n: int, k: int) -> None:
         """Fail before reading anything when a linear's dims cannot hold this format."""
         per, group = 32 // self.bits, self.group(k)
-        if k % group or n % per or (self.method == "gptq" and k % per):
+        if n % per or k % per:
             raise CheckpointError(
                 f"{name}: a linear of [{n}, {k}] cannot hold {self.method} blocks of {group} inputs at {self.bits} "
                 f"bits (quantization_config.group_size = {self.group_size}); the checkpoint does not match config.json")
-        _block(group)
+        _block(math.gcd(group, k))
 
     def weight(self, name: str, arrays: Mapping[str, np.ndarray], n: int, k: int) -> BlockQuantized:
         """The linear `name` [n, k] from its stored parts, as MatMulNBits blocks."""
@@ -96,11 +101,13 @@ class PackedFormat:
             zero = _unpack_columns(arrays["qzeros"], self.bits, awq=False).T
             if self.v1_zeros:
                 zero = (zero + 1) & maxq
-        block = _block(group)
-        repeat = group // block  # a group wider than MatMulNBits' blocks: its scale and zero over each block
-        return BlockQuantized(np.ascontiguousarray(q, np.uint8), np.repeat(scale, repeat, axis=1),
-                              np.ascontiguousarray(np.repeat(zero, repeat, axis=1), np.uint8), None, self.bits,
-                              block, f"{self.method}-int{self.bits}-g{self.group_size}")
+        # A group wider than MatMulNBits' blocks, or one not dividing k (GPTQ's last group is then partial): blocks
+        # of the largest size dividing both, each with its group's scale and zero.
+        block = _block(math.gcd(group, k))
+        groups = np.arange(k // block) * block // group
+        return BlockQuantized(np.ascontiguousarray(q, np.uint8), np.ascontiguousarray(scale[:, groups]),
+                              np.ascontiguousarray(zero[:, groups], np.uint8), None, self.bits, block,
+                              f"{self.method}-int{self.bits}-g{self.group_size}")
 
 
 def packed_format(config: Mapping[str, Any], where: str) -> PackedFormat:
@@ -153,13 +160,13 @@ def packed_format(config: Mapping[str, Any], where: str) -> PackedFormat:
     return PackedFormat("gptq", int(bits), group_size, v1_zeros=layout == "gptq")
 
 
-def _block(group: int) -> int:
-    """The MatMulNBits block a group is held in: the group itself, or the largest block dividing it."""
+def _block(width: int) -> int:
+    """The largest MatMulNBits block dividing `width` (the gcd of the group and the linear's input width)."""
     for size in _BLOCK_SIZES:
-        if group % size == 0:
+        if width % size == 0:
             return size
-    raise CheckpointError(f"groups of {group} inputs do not split into MatMulNBits blocks of 16..256; "
-                          + _REQUANTIZE.format(fix="group_size 32, 64 or 128"))
+    raise CheckpointError(f"groups of inputs whose boundaries fall every {width} inputs do not split into MatMulNBits "
+                          "blocks of 16..256; " + _REQUANTIZE.format(fix="group_size 32, 64 or 128"))
 
 
 def _unpack_rows(packed: np.ndarray, bits: int) -> np.ndarray:

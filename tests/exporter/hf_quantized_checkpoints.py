@@ -1,9 +1,10 @@
 """Tiny GPTQ and AWQ checkpoints packed by the formats' own libraries, and those libraries' dequantization.
 
-The codes are packed by auto-gptq 0.7.1 (`qlinear_cuda_old.QuantLinear.pack`, the v1 `gptq` checkpoint format that
-GPTQModel also writes by default) and autoawq 0.2.9 (`WQLinear_GEMM.from_linear`), and read back by their own
-torch code (`QuantLinear.forward`'s dequantization on CPU, `packing_utils.dequantize_gemm`), so the layouts the
-reader decodes are the libraries', not a guess checked against itself. Both packages are installed without their
+The codes are packed by auto-gptq 0.7.1 (`qlinear_cuda.QuantLinear.pack`, its default QuantLinear, the v1 `gptq`
+checkpoint format that GPTQModel also writes by default) and autoawq 0.2.9 (`WQLinear_GEMM.from_linear`), and read
+back by their own torch code (`QuantLinear.forward`'s dequantization by g_idx on CPU,
+`packing_utils.dequantize_gemm`), so the layouts the reader decodes are the libraries', not a guess checked
+against itself. Both packages are installed without their
 dependencies (scripts/test.sh): only modules needing torch alone are imported, without running the packages'
 `__init__`, which import GPU-era transformers APIs.
 """
@@ -71,7 +72,7 @@ def write_gptq(src: Path, out: Path, bits: int, group_size: int, sym: bool,
     import torch
     from safetensors.torch import load_file
 
-    qlinear = library_module("auto_gptq.nn_modules.qlinear.qlinear_cuda_old")
+    qlinear = library_module("auto_gptq.nn_modules.qlinear.qlinear_cuda")
     quantizer = library_module("auto_gptq.quantization.quantizer")
     state = load_file(str(src / "model.safetensors"))
     for base in _linear_names(state):
@@ -108,7 +109,7 @@ def gptq_dequantized(state: dict[str, Any], bits: int, group_size: int) -> dict[
     `QuantLinear.forward` on an identity input."""
     import torch
 
-    qlinear = library_module("auto_gptq.nn_modules.qlinear.qlinear_cuda_old")
+    qlinear = library_module("auto_gptq.nn_modules.qlinear.qlinear_cuda")
     out = {}
     for name in [n for n in state if n.endswith(".qweight")]:
         base = name[:-len(".qweight")]

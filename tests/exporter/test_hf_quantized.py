@@ -30,6 +30,8 @@ CASES: dict[str, Writer] = {
     "gptq-int4-sym-g32": lambda src, out: write_gptq(src, out, 4, 32, sym=True),
     "gptq-int4-asym-g32": lambda src, out: write_gptq(src, out, 4, 32, sym=False),
     "gptq-int8-per-row": lambda src, out: write_gptq(src, out, 8, -1, sym=True),
+    # groups of 48 leave a partial last group (64 = 48 + 16, 128 = 48 + 48 + 32): MatMulNBits blocks of 16
+    "gptq-int4-sym-g48": lambda src, out: write_gptq(src, out, 4, 48, sym=True),
     "gptq_v2-int4-asym-g64": lambda src, out: write_gptq(src, out, 4, 64, sym=False, checkpoint_format="gptq_v2"),
     "awq-int4-g32": lambda src, out: write_awq(src, out, 32),
 }
@@ -53,18 +55,22 @@ def test_blocks_read_back_equal_the_librarys_dequantization(case: str, float_che
     assert blocks.keys() == expected.keys() and len(blocks) == 14
     for name, weight in blocks.items():
         np.testing.assert_array_equal(_bits(weight.dequantize()), _bits(expected[name]), err_msg=name)
-    # the scales are the file's fp16 ones, widened (repeated over MatMulNBits blocks where a group is wider)
+    # the scales are the file's fp16 ones, widened, each over the MatMulNBits blocks of its group
     from safetensors.numpy import load_file
 
     stored = load_file(str(tmp_path / case / "model.safetensors"))
     down = blocks["model.layers.1.mlp.down_proj.weight"]
     scales = stored["model.layers.1.mlp.down_proj.scales"].astype(np.float32).T
-    np.testing.assert_array_equal(down.scale[:, ::down.scale.shape[1] // scales.shape[1]], scales)
+    group = json.loads((tmp_path / case / "config.json").read_text())["quantization_config"]["group_size"]
+    k = down.shape[1]
+    np.testing.assert_array_equal(down.scale, scales[:, np.arange(k // down.block_size) * down.block_size
+                                                     // (k if group == -1 else group)])
     if "asym" in case or case.startswith("awq"):
         assert len(np.unique(down.zero_point)) > 1  # per-group zero points, not the default one
 
 
-EXPORTS = [("gptq-int4-asym-g32", "none"), ("gptq-int8-per-row", "gptq"), ("awq-int4-g32", "awq")]
+EXPORTS = [("gptq-int4-asym-g32", "none"), ("gptq-int8-per-row", "gptq"), ("gptq-int4-sym-g48", "gptq"),
+           ("awq-int4-g32", "awq")]
 
 
 @pytest.mark.parametrize(("case", "quantization"), EXPORTS, ids=[f"{c}-as-{q}" for c, q in EXPORTS])
