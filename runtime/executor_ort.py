@@ -12,6 +12,7 @@ ORT prefers a registered kernel to a model-local function, so the artifact stays
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from functools import cache
 from pathlib import Path
@@ -59,6 +60,34 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages now (their data is kept: a later read faults them back)
+
+
+def page_out_weights(directory: Path) -> int:
+    """Give back the resident pages of `directory`'s files that ONNX Runtime still maps once a session is built;
+    returns the bytes advised.
+
+    ORT maps the external weights file and keeps the mapping after prepacking a weight into its own buffer
+    (MatMulNBits, Gemm): the pages prepacking read stay resident, though only the unpacked readers (the embedding's
+    Gather, BlockMinimum's minima, the norms) read the file again, and those pages fault back in on use (measured
+    in docs/performance.md, 'Precision'). MADV_PAGEOUT is reclaim, not discard, so it is safe on any mapping; where
+    it or /proc/self/maps is missing (Linux < 5.4, other systems) nothing changes."""
+    root = str(directory.resolve()) + "/"
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:  # "start-end perms offset dev inode path"
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip().startswith(root):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return sum(end - start for start, end in ranges if madvise(start, end - start, MADV_PAGEOUT) == 0)
+
+
 @cache
 def _warn_fallback(reason: str) -> None:
     """Once per process and reason: every executor after the first falls back for the same cause."""
@@ -97,6 +126,7 @@ class OrtExecutor:
             raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
         self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
                                             providers=["CPUExecutionProvider"])
+        page_out_weights(Path(artifact) / "graphs")
         self.model = manifest.model
         self.pools = pools
         # By their bits: ORT's numpy bridge has no bfloat16 (the OrtValue still wraps the array, no copy).
