@@ -135,6 +135,10 @@ class OrtExecutor:
                                                                                    fmt.onnx_type)
                              for name, a in pools.items()}
         self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
+        # One logits buffer for all gears, each binding its first `seqs` rows: per-gear buffers were each resident
+        # once written (a mixed run touches ~6 gears, ~34 MiB at a 49k vocabulary; docs/performance.md, 'Precision').
+        rows = max(gear.seqs for family in manifest.families.values() for gear in family.gears)
+        self._logits = np.zeros((rows, self.model.vocab_size), np.float32)
 
     def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:
         cached = self._bindings.get(gear)
@@ -145,13 +149,14 @@ class OrtExecutor:
             for name, value in self._pool_values.items():
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(c.cache_output_name(name), value)
-            logits = np.zeros((gear.seqs, self.model.vocab_size), np.float32)
+            logits = self._logits[:gear.seqs]
             binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
             cached = self._bindings[gear] = (binding, logits)
         return cached
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Run one step; `inputs` must be the packer's buffers for this gear (bound once, by identity)."""
+        """Run one step; `inputs` must be the packer's buffers for this gear (bound once, by identity). The logits
+        are a view of the executor's one buffer, valid until the next run."""
         binding, logits = self._binding(gear, inputs)
         self.session.run_with_iobinding(binding)
         return logits

@@ -22,8 +22,9 @@ class Executor(Protocol):
     custom_ops: bool | None
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """One step's logits [gear.seqs, vocab]; `inputs` are the packer's buffers for `gear`, the same
-        arrays every step (executors bind them once, by identity)."""
+        """One step's logits [gear.seqs, vocab], valid until the next run (an executor may reuse the buffer);
+        `inputs` are the packer's buffers for `gear`, the same arrays every step (executors bind them once, by
+        identity)."""
         ...
 
 
