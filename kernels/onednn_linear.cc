@@ -8,17 +8,22 @@
 // of y falls back to gemm:jit, several times slower), so a chunk computes up to kRowBlock rows at a time
 // into its own dense buffer, small enough to stay in cache, and copies them into its columns of y.
 // Memory: each node's weights (an initializer) are reordered once (first call) into the blocked layout the
-// primitive wants; primitives are created once per (rows, chunk width) and shared by every node of that shape;
-// scratchpads, row buffers and the bfloat16 copy of x live in process-wide buffers that only grow. A step
-// allocates nothing once every gear has run once.
+// primitive wants, into slabs advised as transparent huge pages (WeightArena): a one-token step streams every
+// weight once from memory, and a 4 KiB page costs that stream a TLB walk and a stopped hardware prefetch per
+// page (figures: docs/performance.md, bf16 section). Primitives are created once per (rows, chunk
+// width) and shared by every node of that shape; scratchpads, row buffers and the bfloat16 copy of x live in
+// process-wide buffers that only grow. A step allocates nothing once every gear has run once.
 #include "onednn_linear.h"
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
@@ -36,6 +41,48 @@ using Dims = memory::dims;
 
 constexpr int64_t kMinChunk = 64;    // columns: oneDNN's bf16 weight blocks are 64 wide
 constexpr int64_t kRowBlock = 64;    // rows per primitive call: the dense buffer of a chunk stays in L2
+
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kSlab = size_t{64} << 20;  // the LM head's 56.6 MB fits one
+
+// Packed weights of every node, carved from 2 MiB-aligned slabs advised MADV_HUGEPAGE (Linux' default THP
+// mode, `madvise`, gives huge pages only there; elsewhere the advice is refused and the slab stays on small
+// pages). One slab holds many nodes, so the rounding to 2 MiB is paid once per slab, not per node; a slab is
+// freed when its last node is.
+class WeightArena {
+ public:
+  struct Slab {
+    char *base = nullptr;
+    size_t size = 0, used = 0, leases = 0;
+  };
+
+  // `bytes` of a slab, page-aligned, never shared with another node.
+  char *take(size_t bytes, Slab *&slab) {
+    bytes = (bytes + 4095) / 4096 * 4096;
+    if (current_ == nullptr || current_->used + bytes > current_->size) {
+      const size_t size = std::max(kSlab, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+      void *base = std::aligned_alloc(kHugePage, size);
+      if (base == nullptr) throw std::bad_alloc();
+      madvise(base, size, MADV_HUGEPAGE);  // advice only: refused where THP is off
+      current_ = new Slab{static_cast<char *>(base), size};
+    }
+    slab = current_;
+    char *data = slab->base + slab->used;
+    slab->used += bytes;
+    ++slab->leases;
+    return data;
+  }
+
+  void give(Slab *slab) {
+    if (slab == nullptr || --slab->leases) return;
+    if (slab == current_) current_ = nullptr;
+    std::free(slab->base);
+    delete slab;
+  }
+
+ private:
+  Slab *current_ = nullptr;
+};
 
 const dnnl::engine &cpu() {
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -64,6 +111,7 @@ struct Shared {
   std::vector<dnnl::stream> streams;             // one per chunk index
   std::set<std::string> implementations;
   std::string report;
+  WeightArena weights;
 };
 
 Shared &shared() {
@@ -98,7 +146,8 @@ dnnl::matmul::primitive_desc make_desc(int64_t rows, int64_t k, int64_t width, c
 // One chunk of output columns: its packed weights and, per row count (1..kRowBlock), its primitive and arguments.
 struct Chunk {
   int64_t first = 0, width = 0;
-  memory packed;
+  memory packed, user;    // the blocked weights in the arena; the node's own [width, K] rows
+  dnnl::reorder packing;  // user -> packed, created once
   struct Step {
     dnnl::matmul primitive;
     memory src, dst, scratchpad;
@@ -116,6 +165,7 @@ struct pg_bf16_linear {
   std::vector<Chunk> chunks;
   std::vector<Chunk::Step *> steps;      // this call's steps of each chunk: full row blocks, the tail
   std::vector<dnnl_status_t> statuses;  // and its result
+  WeightArena::Slab *slab = nullptr;     // where `chunks` keep their packed weights
 
   pg_bf16_linear(int64_t k_, int64_t n_, bool constant) : k(k_), n(n_), constant_weight(constant) {
     const int64_t count = chunk_count(n);
@@ -142,15 +192,30 @@ struct pg_bf16_linear {
     return found->second;
   }
 
+  // The chunks' packed memory, one lease of the arena for all of them, and their reorders: once per node.
+  void layout(Shared &s) {
+    std::vector<memory::desc> packed;
+    size_t bytes = 0;
+    for (const Chunk &c : chunks) {
+      const auto any = memory::desc({k, c.width}, memory::data_type::bf16, memory::format_tag::any);
+      packed.push_back(desc(s, kRowBlock, c, any).weights_desc());
+      bytes += (packed.back().get_size() + 4095) / 4096 * 4096;
+    }
+    char *data = s.weights.take(bytes, slab);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      Chunk &c = chunks[i];
+      c.packed = memory(packed[i], cpu(), data);
+      data += (packed[i].get_size() + 4095) / 4096 * 4096;
+      c.user = memory(plain({k, c.width}, memory::data_type::bf16, {1, k}), cpu(), DNNL_MEMORY_NONE);
+      c.packing = dnnl::reorder(c.user, c.packed);
+    }
+  }
+
   void pack(Shared &s, const uint16_t *weight) {
+    if (slab == nullptr) layout(s);
     for (Chunk &c : chunks) {
-      if (!c.packed) {
-        const auto any = memory::desc({k, c.width}, memory::data_type::bf16, memory::format_tag::any);
-        c.packed = memory(desc(s, kRowBlock, c, any).weights_desc(), cpu());
-      }
-      memory user(plain({k, c.width}, memory::data_type::bf16, {1, k}), cpu(),
-                  const_cast<uint16_t *>(weight + c.first * k));
-      dnnl::reorder(user, c.packed).execute(s.streams[0], user, c.packed);
+      c.user.set_data_handle(const_cast<uint16_t *>(weight + c.first * k));
+      c.packing.execute(s.streams[0], c.user, c.packed);
       s.streams[0].wait();
     }
     packed_from = weight;
@@ -177,7 +242,14 @@ pg_bf16_linear *pg_bf16_linear_create(int64_t k, int64_t n, bool constant_weight
   return new pg_bf16_linear(k, n, constant_weight);
 }
 
-void pg_bf16_linear_destroy(pg_bf16_linear *linear) { delete linear; }
+void pg_bf16_linear_destroy(pg_bf16_linear *linear) {
+  if (linear == nullptr) return;
+  Shared &s = shared();
+  std::lock_guard<std::mutex> guard(s.mutex);
+  for (Chunk &c : linear->chunks) c.packed = memory();  // before its slab goes
+  s.weights.give(linear->slab);
+  delete linear;
+}
 
 int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, const uint16_t *weight, float *y,
                        const pg_runner *runner) {
@@ -203,11 +275,10 @@ int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, c
       for (int64_t j = 0; j < 2; ++j) {
         Chunk::Step *st = j == 0 || tail ? &linear->step(s, c, j == 0 ? block : tail) : nullptr;
         if (st && s.scratchpads[i].size() < st->scratchpad_bytes) s.scratchpads[i].resize(st->scratchpad_bytes);
-        if (st) st->dst.set_data_handle(s.rows[i].data());
         steps[2 * i + j] = st;
       }
     }
-  } catch (const dnnl::error &e) {
+  } catch (const std::exception &e) {  // dnnl::error, or no memory for the packed weights
     return pg::fail(std::string("bf16 linear (oneDNN): ") + e.what());
   }
   uint16_t *xb = s.x.data();
@@ -223,14 +294,17 @@ int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, c
       const int64_t rows = std::min(block, tokens - first);
       const Chunk::Step &st = *steps[2 * i + (rows == block ? 0 : 1)];
       // The C API: a fixed argument array, where the C++ one would build a map per call.
+      // One row is already dense where it lies in y (a [1, width] slice's row stride is never read), so it is
+      // written in place; more rows go through the chunk's buffer.
+      float *dense = rows == 1 ? y + first * n + c.first : s.rows[i].data();
       status[i] = dnnl_memory_set_data_handle(st.src.get(), xb + first * k);
+      if (status[i] == dnnl_success) status[i] = dnnl_memory_set_data_handle(st.dst.get(), dense);
       if (status[i] == dnnl_success) status[i] = dnnl_memory_set_data_handle(st.scratchpad.get(), s.scratchpads[i].data());
       const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, st.src.get()}, {DNNL_ARG_WEIGHTS, c.packed.get()},
                                       {DNNL_ARG_DST, st.dst.get()}, {DNNL_ARG_SCRATCHPAD, st.scratchpad.get()}};
       if (status[i] == dnnl_success) status[i] = dnnl_primitive_execute(st.primitive.get(), s.streams[i].get(), 4, args);
       if (status[i] == dnnl_success) status[i] = dnnl_stream_wait(s.streams[i].get());
-      const float *dense = s.rows[i].data();
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < rows && rows > 1; ++r)
         std::memcpy(y + (first + r) * n + c.first, dense + r * c.width, c.width * sizeof(float));
     }
   });
