@@ -265,12 +265,14 @@ class CalibrationSource:
 def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
                graph: Path | None, calibration: CalibrationSource, log: TextIO) -> dict[str, np.ndarray]:
     """The int8 KV-cache parameters, calibrated once on the exported ONNX `graph` (the calibration's float32
-    graph when the export writes no ONNX) and shared by the ONNX and MINDIR int8 graphs; {} without int8."""
+    graph when the export writes no ONNX, or one whose pools are not float32: model.dtype bfloat16) and shared
+    by the ONNX and MINDIR int8 graphs; {} without int8."""
     options, model = config.export, checkpoint.config
     if not any(cache_format(d).quantized for d in options.kv_cache_dtypes):
         return {}
     tokens, source = calibration.tokens
-    scales, windows = calibrate_kv_scales(graph or calibration.float32_graph, model, gears[c.PREFILL],
+    fitted_on = graph if graph is not None and config.model.dtype == "float32" else calibration.float32_graph
+    scales, windows = calibrate_kv_scales(fitted_on, model, gears[c.PREFILL],
                                           options.block_size, tokens, options.kv_cache_calibration_window)
     print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     return scales

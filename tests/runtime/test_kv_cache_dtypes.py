@@ -243,3 +243,29 @@ def test_cache_dtype_errors_name_the_fix(kv_artifact, tiny_artifact) -> None:
     artifact, _ = kv_artifact
     ok = Deployment.model_validate({"model": {"artifact": str(artifact)}, "kv_cache": {"dtype": "int8"}})
     assert engine_config(ok, Manifest.load(artifact), "deploy.yaml").kv_cache_dtype == "int8"
+
+
+def test_bfloat16_compute_exports_and_serves_an_int8_cache(tmp_path: Path, onednn_custom_op_library: Path) -> None:
+    """model.dtype bfloat16 with export.kv_cache_dtypes [bfloat16, int8]: the main graph's pools are bfloat16,
+    so the int8 scales are fitted on the float32 graph (feeding it float32 pools failed), and both caches serve."""
+    import io
+
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
+    from pagedgraph.runtime.engine import LLM
+    from pagedgraph.runtime.sampling_params import SamplingParams
+    from tests.random_checkpoint import write_random_llama
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 40)
+    config = ExportConfig.model_validate({"model": {"source": str(write_random_llama(tmp_path / "hf")),
+                                                    "dtype": "bfloat16"}, "export": {
+        "max_model_len": 128, "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4},
+        "kv_cache_dtypes": ["bfloat16", "int8"], "kv_cache_calibration": str(text),
+        "kv_cache_calibration_window": 64}})
+    export(config, tmp_path / "artifact", log=io.StringIO())
+    for dtype in ("bfloat16", "int8"):
+        llm = LLM(tmp_path / "artifact", threads=2, kv_cache_dtype=dtype, num_blocks=32)
+        out = llm.generate([[5, 17, 42, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        assert out.error is None and len(out.token_ids) == 8, dtype
+        assert llm.engine.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
