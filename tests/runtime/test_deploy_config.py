@@ -39,8 +39,9 @@ def _deployment(**sections: dict) -> Deployment:
 
 def test_the_example_deployment_loads_with_paths_relative_to_it() -> None:
     deployment = load_deployment(REPO / "configs" / "deploy-smollm2.yaml")
-    assert deployment.model.artifact == str(REPO / "artifacts" / "smollm2")
-    assert deployment.model.export_config == str(REPO / "configs" / "smollm2.yaml")
+    assert deployment.model.artifact == str(REPO / "artifacts" / "smollm2-w8a8")
+    assert deployment.model.export_config == str(REPO / "configs" / "smollm2-w8a8.yaml")
+    assert deployment.kv_cache.dtype == "int8"
     assert deployment.model_name == "SmolLM2-135M-Instruct"
     assert deployment.server.host == "127.0.0.1"
     assert deployment.kv_cache.block_size == 16
