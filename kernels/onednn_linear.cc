@@ -8,22 +8,18 @@
 // of y falls back to gemm:jit, several times slower), so a chunk computes up to kRowBlock rows at a time
 // into its own dense buffer, small enough to stay in cache, and copies them into its columns of y.
 // Memory: each node's weights (an initializer) are reordered once (first call) into the blocked layout the
-// primitive wants, into slabs advised as transparent huge pages (WeightArena): a one-token step streams every
-// weight once from memory, and a 4 KiB page costs that stream a TLB walk and a stopped hardware prefetch per
-// page (figures: docs/performance.md, bf16 section). Primitives are created once per (rows, chunk
-// width) and shared by every node of that shape; scratchpads, row buffers and the bfloat16 copy of x live in
-// process-wide buffers that only grow. A step allocates nothing once every gear has run once.
+// primitive wants (oneDNN allocates it; in our processes those allocations already sit on transparent huge
+// pages, docs/performance.md, bf16 section); primitives are created once per (rows, chunk width) and shared by
+// every node of that shape; scratchpads, row buffers and the bfloat16 copy of x live in process-wide buffers
+// that only grow. A step allocates nothing once every gear has run once.
 #include "onednn_linear.h"
 
 #include <omp.h>
-#include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <set>
 #include <string>
 #include <thread>
@@ -41,48 +37,6 @@ using Dims = memory::dims;
 
 constexpr int64_t kMinChunk = 64;    // columns: oneDNN's bf16 weight blocks are 64 wide
 constexpr int64_t kRowBlock = 64;    // rows per primitive call: the dense buffer of a chunk stays in L2
-
-constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kSlab = size_t{64} << 20;  // the LM head's 56.6 MB fits one
-
-// Packed weights of every node, carved from 2 MiB-aligned slabs advised MADV_HUGEPAGE (Linux' default THP
-// mode, `madvise`, gives huge pages only there; elsewhere the advice is refused and the slab stays on small
-// pages). One slab holds many nodes, so the rounding to 2 MiB is paid once per slab, not per node; a slab is
-// freed when its last node is.
-class WeightArena {
- public:
-  struct Slab {
-    char *base = nullptr;
-    size_t size = 0, used = 0, leases = 0;
-  };
-
-  // `bytes` of a slab, page-aligned, never shared with another node.
-  char *take(size_t bytes, Slab *&slab) {
-    bytes = (bytes + 4095) / 4096 * 4096;
-    if (current_ == nullptr || current_->used + bytes > current_->size) {
-      const size_t size = std::max(kSlab, (bytes + kHugePage - 1) / kHugePage * kHugePage);
-      void *base = std::aligned_alloc(kHugePage, size);
-      if (base == nullptr) throw std::bad_alloc();
-      madvise(base, size, MADV_HUGEPAGE);  // advice only: refused where THP is off
-      current_ = new Slab{static_cast<char *>(base), size};
-    }
-    slab = current_;
-    char *data = slab->base + slab->used;
-    slab->used += bytes;
-    ++slab->leases;
-    return data;
-  }
-
-  void give(Slab *slab) {
-    if (slab == nullptr || --slab->leases) return;
-    if (slab == current_) current_ = nullptr;
-    std::free(slab->base);
-    delete slab;
-  }
-
- private:
-  Slab *current_ = nullptr;
-};
 
 const dnnl::engine &cpu() {
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -111,7 +65,6 @@ struct Shared {
   std::vector<dnnl::stream> streams;             // one per chunk index
   std::set<std::string> implementations;
   std::string report;
-  WeightArena weights;
 };
 
 Shared &shared() {
@@ -146,7 +99,7 @@ dnnl::matmul::primitive_desc make_desc(int64_t rows, int64_t k, int64_t width, c
 // One chunk of output columns: its packed weights and, per row count (1..kRowBlock), its primitive and arguments.
 struct Chunk {
   int64_t first = 0, width = 0;
-  memory packed, user;    // the blocked weights in the arena; the node's own [width, K] rows
+  memory packed, user;    // the blocked weights; the node's own [width, K] rows
   dnnl::reorder packing;  // user -> packed, created once
   struct Step {
     dnnl::matmul primitive;
@@ -165,7 +118,6 @@ struct pg_bf16_linear {
   std::vector<Chunk> chunks;
   std::vector<Chunk::Step *> steps;      // this call's steps of each chunk: full row blocks, the tail
   std::vector<dnnl_status_t> statuses;  // and its result
-  WeightArena::Slab *slab = nullptr;     // where `chunks` keep their packed weights
 
   pg_bf16_linear(int64_t k_, int64_t n_, bool constant) : k(k_), n(n_), constant_weight(constant) {
     const int64_t count = chunk_count(n);
@@ -192,27 +144,18 @@ struct pg_bf16_linear {
     return found->second;
   }
 
-  // The chunks' packed memory, one lease of the arena for all of them, and their reorders: once per node.
+  // The chunks' packed memory and their reorders: once per node.
   void layout(Shared &s) {
-    std::vector<memory::desc> packed;
-    size_t bytes = 0;
-    for (const Chunk &c : chunks) {
+    for (Chunk &c : chunks) {
       const auto any = memory::desc({k, c.width}, memory::data_type::bf16, memory::format_tag::any);
-      packed.push_back(desc(s, kRowBlock, c, any).weights_desc());
-      bytes += (packed.back().get_size() + 4095) / 4096 * 4096;
-    }
-    char *data = s.weights.take(bytes, slab);
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      Chunk &c = chunks[i];
-      c.packed = memory(packed[i], cpu(), data);
-      data += (packed[i].get_size() + 4095) / 4096 * 4096;
+      c.packed = memory(desc(s, kRowBlock, c, any).weights_desc(), cpu());
       c.user = memory(plain({k, c.width}, memory::data_type::bf16, {1, k}), cpu(), DNNL_MEMORY_NONE);
       c.packing = dnnl::reorder(c.user, c.packed);
     }
   }
 
   void pack(Shared &s, const uint16_t *weight) {
-    if (slab == nullptr) layout(s);
+    if (!chunks.front().packed) layout(s);
     for (Chunk &c : chunks) {
       c.user.set_data_handle(const_cast<uint16_t *>(weight + c.first * k));
       c.packing.execute(s.streams[0], c.user, c.packed);
@@ -242,14 +185,7 @@ pg_bf16_linear *pg_bf16_linear_create(int64_t k, int64_t n, bool constant_weight
   return new pg_bf16_linear(k, n, constant_weight);
 }
 
-void pg_bf16_linear_destroy(pg_bf16_linear *linear) {
-  if (linear == nullptr) return;
-  Shared &s = shared();
-  std::lock_guard<std::mutex> guard(s.mutex);
-  for (Chunk &c : linear->chunks) c.packed = memory();  // before its slab goes
-  s.weights.give(linear->slab);
-  delete linear;
-}
+void pg_bf16_linear_destroy(pg_bf16_linear *linear) { delete linear; }
 
 int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, const uint16_t *weight, float *y,
                        const pg_runner *runner) {
@@ -278,7 +214,7 @@ int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, c
         steps[2 * i + j] = st;
       }
     }
-  } catch (const std::exception &e) {  // dnnl::error, or no memory for the packed weights
+  } catch (const std::exception &e) {  // dnnl::error, or std::bad_alloc from oneDNN's C++ API
     return pg::fail(std::string("bf16 linear (oneDNN): ") + e.what());
   }
   uint16_t *xb = s.x.data();
