@@ -29,12 +29,12 @@ sys.path.insert(0, str(REPO))
 
 from pagedgraph.texts import shipped_text  # noqa: E402
 from scripts.hf_perplexity import load  # noqa: E402
-from tests.exporter.hf_quantized_checkpoints import library_module  # noqa: E402
+from scripts.library_modules import bare_module  # noqa: E402
 
 
 def _round_to_nearest(quantizer: Any, layer: torch.nn.Linear, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's min-max scale and zero (auto-gptq's `Quantizer`), the layer's weight set to their grid."""
-    quantize = library_module("auto_gptq.quantization.quantizer").quantize
+    quantize = bare_module("auto_gptq.quantization.quantizer").quantize
     w = layer.weight.data
     scales, zeros = [], []
     for begin in range(0, w.shape[1], group_size):
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--rtn", action="store_true", help="round to nearest on the same grid (no calibration)")
     args = parser.parse_args(argv)
-    gptq = library_module("auto_gptq.quantization.gptq")
-    qlinear = library_module("auto_gptq.nn_modules.qlinear.qlinear_cuda")
+    gptq = bare_module("auto_gptq.quantization.gptq")
+    qlinear = bare_module("auto_gptq.nn_modules.qlinear.qlinear_cuda")
     torch.cuda.synchronize = lambda *a, **k: None  # fasterquant times itself with it; a no-op on a CPU build
 
     started = time.perf_counter()

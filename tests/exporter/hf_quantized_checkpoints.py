@@ -10,10 +10,7 @@ dependencies (scripts/test.sh): only modules needing torch alone are imported, w
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -21,28 +18,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from scripts.library_modules import LibraryMissing, bare_module
+
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 
 
 def library_module(module: str) -> types.ModuleType:
-    """`module` of an installed library, its parent packages made bare (their `__init__` not run)."""
-    parts = module.split(".")
-    if parts[0] not in sys.modules:
-        spec = importlib.util.find_spec(parts[0])
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip(f"{parts[0]} is not installed (scripts/test.sh installs it with --no-deps)")
-        package = types.ModuleType(parts[0])
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules[parts[0]] = package
-    root = Path(sys.modules[parts[0]].__path__[0])
-    for depth in range(1, len(parts)):
-        name = ".".join(parts[:depth])
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root.joinpath(*parts[1:depth]))]
-            sys.modules[name] = package
-    return importlib.import_module(module)
+    """`module` of an installed library (scripts/library_modules.py); the test is skipped if it is not installed."""
+    try:
+        return bare_module(module)
+    except LibraryMissing as exc:
+        pytest.skip(str(exc))
 
 
 def _linear_names(state: dict[str, Any]) -> list[str]:
