@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
@@ -212,8 +213,7 @@ def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Che
     print(f"quantizing weights {config.model.quantization} (round to nearest"
           f"{f', groups of {config.model.group_size}' if config.model.quantization == 'w4a16' else ''}) ...", file=log)
     tensors = quantize_weights(checkpoint.tensors, config.model.quantization, config.model.group_size)
-    return Checkpoint(config=checkpoint.config, tensors=tensors, tokenizer=checkpoint.tokenizer,
-                      source=checkpoint.source)
+    return dataclasses.replace(checkpoint, tensors=tensors)  # generation defaults and the rest kept
 
 
 def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
@@ -292,14 +292,12 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
     tokens, source = calibration.tokens
     ranges, windows = linear_input_ranges(calibration.float32_graph, raw.config, gears[c.PREFILL], options.block_size,
                                           tokens, options.kv_cache_calibration_window, linears)
-    smoothed = dict(raw.tensors)
-    if options.w8a8_smoothing is not None:
-        smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
     print(f"calibrated W8A8 static input scales of {len(ranges)} linears on {source}: {len(tokens)} tokens in "
           f"{windows} windows; SmoothQuant alpha {options.w8a8_smoothing}", file=log)
-    quantized = _quantized(Checkpoint(config=raw.config, tensors=smoothed, tokenizer=raw.tokenizer,
-                                      source=raw.source), config, log)
-    return quantized, {name: static_input_params(*ranges[name]) for name in linears}
+    if options.w8a8_smoothing is not None:  # the smoothed weights are quantized again; unsmoothed, `checkpoint` is
+        smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
+        checkpoint = _quantized(dataclasses.replace(raw, tensors=smoothed), config, log)
+    return checkpoint, {name: static_input_params(*ranges[name]) for name in linears}
 
 
 def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, forms: llama.WeightForms, out: Path,

@@ -55,6 +55,17 @@ def test_the_checkpoints_generation_config_is_recorded_and_applied(tiny_with_def
     assert SamplingParams.from_defaults(manifest.sampling_defaults, temperature=0.0).temperature == 0.0
 
 
+@pytest.mark.parametrize("quantization", ["w8a16", "w8a8"])
+def test_a_checkpoint_quantized_at_export_keeps_its_generation_config(tiny_with_defaults: Path, tmp_path: Path,
+                                                                      quantization: str) -> None:
+    source = json.loads((tiny_with_defaults / "export_config.json").read_text())["model"]["source"]
+    config = ExportConfig.model_validate({"model": {"source": source, "quantization": quantization}, "export": {
+        "max_model_len": MAX_MODEL_LEN, "verify_gears": False,
+        "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}}})
+    export(config, tmp_path / "artifact", log=io.StringIO())
+    assert Manifest.load(tmp_path / "artifact").generation_defaults == Manifest.load(tiny_with_defaults).generation_defaults
+
+
 def test_the_server_uses_the_artifacts_defaults_unless_the_deployment_sets_them(tiny_with_defaults: Path) -> None:
     def defaults(sampling: dict[str, float]) -> dict[str, object]:
         deployment = Deployment.model_validate({"model": {"artifact": str(tiny_with_defaults)}, "sampling": sampling,
