@@ -32,11 +32,13 @@ def block_minimum(y: np.ndarray, x: np.ndarray, minimum_t: np.ndarray, block_siz
 
 def _examples() -> Iterator[Example]:
     """Token counts around the kernel's tiles of 4, column counts around its steps of 32, blocks of 32 and 16,
-    float16 and float32 minima."""
+    float16 and float32 minima; one tile wide enough that its columns go out in slices of 64 across the pool,
+    the last slice ragged (1003 = 15 * 64 + 5 vectors + 3, 522 = 8 * 64 + 1 vector + 2)."""
     rng = np.random.default_rng(0)
     for tokens, k, n, block, dtype in ((1, 576, 96, 32, np.float16), (6, 128, 44, 16, np.float16),
                                        (37, 1536, 64, 32, np.float16), (3, 64, 5, 16, np.float16),
-                                       (5, 576, 72, 32, np.float32), (1, 64, 13, 16, np.float32)):
+                                       (5, 576, 72, 32, np.float32), (1, 64, 13, 16, np.float32),
+                                       (1, 576, 1003, 32, np.float16), (3, 1536, 522, 32, np.float32)):
         y, x = normal(rng, tokens, n), normal(rng, tokens, k)
         minimum_t = normal(rng, k // block, n, scale=0.05).astype(dtype)
         scale = float(np.abs(block_minimum(y, x, minimum_t, block)).max())
