@@ -27,8 +27,7 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pagedgraph.texts import shipped_text  # noqa: E402
-from scripts.hf_perplexity import load  # noqa: E402
+from scripts.hf_float_checkpoint import add_arguments, calibration_windows, save_float_checkpoint  # noqa: E402
 from scripts.library_modules import bare_module  # noqa: E402
 
 
@@ -48,11 +47,9 @@ def _round_to_nearest(quantizer: Any, layer: torch.nn.Linear, group_size: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    add_arguments(parser)
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--windows", type=int, default=8, help="calibration windows")
-    parser.add_argument("--context", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--rtn", action="store_true", help="round to nearest on the same grid (no calibration)")
     args = parser.parse_args(argv)
     gptq = bare_module("auto_gptq.quantization.gptq")
@@ -60,18 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # fasterquant times itself with it; a no-op on a CPU build
 
     started = time.perf_counter()
-    model, tokenizer = load()
     float_dir, gptq_dir = args.out / "float", args.out / "gptq"
-    # save_pretrained refuses a GGUF-loaded model ("quantized with gguf"): its weights are float32 by now
-    model.config.save_pretrained(float_dir)
-    config = json.loads((float_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    (float_dir / "config.json").write_text(json.dumps(config, indent=2))
-    tied = model.config.tie_word_embeddings
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
-              str(float_dir / "model.safetensors"))
-    tokenizer.save_pretrained(float_dir)
+    model, tokenizer = save_float_checkpoint(float_dir)
 
     quantizers = {}
     for name, module in model.model.layers.named_modules():
@@ -80,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
             q.quantizer.configure(args.bits, perchannel=True, sym=True)
             module.register_forward_hook(lambda m, inp, out, q=q: q.add_batch(inp[0].data, out.data))
             quantizers[f"model.layers.{name}"] = q
-    ids = tokenizer(shipped_text("calibration"))["input_ids"]
+    windows = [] if args.rtn else calibration_windows(tokenizer, args.windows, args.context)
     with torch.no_grad():
-        for begin in range(0, 0 if args.rtn else min(len(ids), args.windows * args.context), args.context):
-            model(torch.tensor([ids[begin:begin + args.context]]))
+        for window in windows:
+            model(torch.tensor([window]))
 
     state = load_file(str(float_dir / "model.safetensors"))
     for name, q in quantizers.items():
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "true_sequential": False, "damp_percent": 0.01, "checkpoint_format": "gptq"}
     (gptq_dir / "config.json").write_text(json.dumps(config, indent=2))
     print(json.dumps({"float": str(float_dir), "gptq": str(gptq_dir), "linears": len(quantizers), "rtn": args.rtn,
-                      "calibration_tokens": 0 if args.rtn else min(len(ids), args.windows * args.context),
+                      "calibration_tokens": sum(map(len, windows)),
                       "gptq_bytes": (gptq_dir / "model.safetensors").stat().st_size,
                       "seconds": round(time.perf_counter() - started, 1)}))
 

@@ -58,13 +58,14 @@ def make_tiny_hf_checkpoint(
     dtype: str = "float32",
     rope_scaling: dict[str, Any] | None = None,
     shard: bool = False,
+    dims: dict[str, int] | None = None,
 ) -> Path:
     """Save a 2-layer GQA model (arch "llama" | "mistral" | "qwen2") plus tokenizer files.
 
     Norm weights and biases are randomised too (HF initialises them to 1 and 0), so a reader
     or graph that drops or swaps them fails a comparison instead of passing by accident.
     `dtype` is a torch dtype name ("float32", "float16", "bfloat16"); `shard=True` splits the
-    weights into many files with a model.safetensors.index.json.
+    weights into many files with a model.safetensors.index.json; `dims` overrides entries of TINY_DIMS.
     """
     import torch
     import transformers
@@ -79,7 +80,7 @@ def make_tiny_hf_checkpoint(
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
     config = config_cls(
-        **TINY_DIMS,
+        **(TINY_DIMS | (dims or {})),
         tie_word_embeddings=tie,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,

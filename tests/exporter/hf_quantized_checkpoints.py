@@ -4,9 +4,10 @@ The codes are packed by auto-gptq 0.7.1 (`qlinear_cuda.QuantLinear.pack`, its de
 checkpoint format that GPTQModel also writes by default) and autoawq 0.2.9 (`WQLinear_GEMM.from_linear`), and read
 back by their own torch code (`QuantLinear.forward`'s dequantization by g_idx on CPU,
 `packing_utils.dequantize_gemm`), so the layouts the reader decodes are the libraries', not a guess checked
-against itself. Both packages are installed without their
-dependencies (scripts/test.sh): only modules needing torch alone are imported, without running the packages'
-`__init__`, which import GPU-era transformers APIs.
+against itself. `quantize_awq` runs AutoAWQ's own quantizer (scale and clipping search, then its packer) and
+`save_quantized` instead, as scripts/awq_checkpoint.py does on the real model. Both packages are installed without
+their dependencies (scripts/test.sh) and imported without running their top-level `__init__`, which imports
+GPU-era transformers APIs (scripts/library_modules.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from scripts.library_modules import LibraryMissing, bare_module
+from scripts.library_modules import LibraryMissing, autoawq_llama, bare_module
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -116,9 +117,7 @@ def write_awq(src: Path, out: Path, group_size: int) -> dict[str, np.ndarray]:
     from safetensors.torch import load_file
 
     gemm = library_module("awq.modules.linear.gemm")
-    packing = library_module("awq.utils.packing_utils")
     state = load_file(str(src / "model.safetensors"))
-    dequantized = {}
     for base in _linear_names(state):
         w = state.pop(f"{base}.weight").float()
         n, k = w.shape
@@ -132,8 +131,38 @@ def write_awq(src: Path, out: Path, group_size: int) -> dict[str, np.ndarray]:
         module = gemm.WQLinear_GEMM.from_linear(linear, 4, group_size, scales=scale.T.contiguous(),
                                                 zeros=zero.T.contiguous())
         state |= {f"{base}.qweight": module.qweight, f"{base}.qzeros": module.qzeros, f"{base}.scales": module.scales}
-        dequantized[f"{base}.weight"] = packing.dequantize_gemm(module.qweight, module.qzeros, module.scales.float(),
-                                                                4, group_size).T.contiguous().numpy()
     _write(src, out, state, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                              "version": "gemm", "modules_to_not_convert": None})
-    return dequantized
+    return awq_dequantized(state, group_size)
+
+
+def awq_dequantized(state: dict[str, Any], group_size: int) -> dict[str, np.ndarray]:
+    """autoawq's float32 `dequantize_gemm` of every GEMM-packed linear of `state`, [out, in], under its `.weight`
+    name."""
+    packing = library_module("awq.utils.packing_utils")
+    return {f"{name[:-len('.qweight')]}.weight": packing.dequantize_gemm(
+                state[name], state[name.replace(".qweight", ".qzeros")],
+                state[name.replace(".qweight", ".scales")].float(), 4, group_size).T.contiguous().numpy()
+            for name in state if name.endswith(".qweight")}
+
+
+def quantize_awq(src: Path, out: Path, group_size: int, windows: list[list[int]]) -> dict[str, np.ndarray]:
+    """`src` quantized by AutoAWQ's own quantizer, as scripts/awq_checkpoint.py runs it on the real model (its
+    activation-aware scale search and clipping search on `windows`, then its GEMM packing) and written by its
+    `save_quantized` to `out` (tokenizer files copied from `src`); returns `awq_dequantized` of the file."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        llama = autoawq_llama()
+    except LibraryMissing as exc:
+        pytest.skip(str(exc))
+    model = llama.from_pretrained(str(src), "llama", torch_dtype=torch.float32, device_map="cpu")
+    model.quantize(None, quant_config={"zero_point": True, "q_group_size": group_size, "w_bit": 4, "version": "GEMM"},
+                   calib_data=windows, max_calib_samples=len(windows), max_calib_seq_len=len(windows[0]))
+    model.save_quantized(str(out))
+    for tokenizer_file in src.glob("*token*"):
+        shutil.copy(tokenizer_file, out)
+    return awq_dequantized(load_file(str(out / "model.safetensors")), group_size)

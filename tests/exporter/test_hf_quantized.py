@@ -12,12 +12,14 @@ import numpy as np
 import onnx
 import pytest
 
+from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.artifact.settings import ConfigError
 from pagedgraph.exporter.checkpoint import CheckpointError, read_hf_dir
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import GRAPH, export
 from pagedgraph.graphs.quant import BlockQuantized
-from tests.exporter.hf_quantized_checkpoints import write_awq, write_gptq
+from pagedgraph.texts import shipped_text
+from tests.exporter.hf_quantized_checkpoints import quantize_awq, write_awq, write_gptq
 from tests.exporter.test_quantized import _bits, _written_weight
 from tests.graphs.test_tiny_models_vs_transformers import assert_engine_follows
 from tests.tiny_models import make_tiny_hf_checkpoint
@@ -69,6 +71,15 @@ def test_blocks_read_back_equal_the_librarys_dequantization(case: str, float_che
         assert len(np.unique(down.zero_point)) > 1  # per-group zero points, not the default one
 
 
+def _export(source: Path, quantization: str, out: Path, log: io.StringIO) -> Manifest:
+    """A small artifact of `source` computing in float32 on the blocks (accuracy_level 0), as HF fp32 does."""
+    config = ExportConfig.model_validate({
+        "model": {"source": str(source), "quantization": quantization},
+        "export": {"max_model_len": 128, "accuracy_level": 0,
+                   "buckets": {"decode_batch": [1, 4], "prefill_tokens": [16, 64, 128], "prefill_max_seqs": 4}}})
+    return export(config, out, log=log)
+
+
 EXPORTS = [("gptq-int4-asym-g32", "none"), ("gptq-int8-per-row", "gptq"), ("gptq-int4-sym-g48", "gptq"),
            ("awq-int4-g32", "awq")]
 
@@ -77,12 +88,8 @@ EXPORTS = [("gptq-int4-asym-g32", "none"), ("gptq-int8-per-row", "gptq"), ("gptq
 def test_artifact_holds_the_checkpoints_blocks_and_follows_transformers(case: str, quantization: str,
                                                                        float_checkpoint: Path, tmp_path: Path) -> None:
     expected = CASES[case](float_checkpoint, tmp_path / "checkpoint")
-    config = ExportConfig.model_validate({
-        "model": {"source": str(tmp_path / "checkpoint"), "quantization": quantization},
-        "export": {"max_model_len": 128, "accuracy_level": 0,
-                   "buckets": {"decode_batch": [1, 4], "prefill_tokens": [16, 64, 128], "prefill_max_seqs": 4}}})
     log = io.StringIO()
-    manifest = export(config, tmp_path / "artifact", log=log)
+    manifest = _export(tmp_path / "checkpoint", quantization, tmp_path / "artifact", log)
     method = _method(case)
     assert manifest.quantization == method and manifest.export_config["model"]["quantization"] == method
     assert (f"model.quantization: {method} (the checkpoint's own blocks" in log.getvalue()) == (quantization == "none")
@@ -101,6 +108,40 @@ def test_artifact_holds_the_checkpoints_blocks_and_follows_transformers(case: st
     hf = transformers.AutoModelForCausalLM.from_pretrained(float_checkpoint, dtype=torch.float32)
     hf.load_state_dict({name: torch.from_numpy(w) for name, w in expected.items()}, strict=False)
     assert_engine_follows(tmp_path / "artifact", hf, case)
+
+
+# v_proj's outputs (2 KV heads of 32) a multiple of 64: AutoAWQ's clipping search takes output rows in batches of 64
+AWQ_DIMS = {"hidden_size": 128, "intermediate_size": 256}
+
+
+def test_autoawqs_own_quantizer_is_read_as_it_is(tmp_path: Path) -> None:
+    """AutoAWQ's real quantizer (scripts/awq_checkpoint.py's path), not a min-max packing: its scale search folds
+    per-channel scales into the norms and up_proj, its clipping search shrinks the weights, and save_quantized
+    writes the file and config its own way. The artifact follows transformers fp32 on that file: its float
+    tensors and autoawq's dequantization of its blocks."""
+    from safetensors.torch import load_file
+
+    src = make_tiny_hf_checkpoint(tmp_path / "float", dims=AWQ_DIMS)
+    ids = transformers.AutoTokenizer.from_pretrained(src)(shipped_text("calibration"))["input_ids"]
+    expected = quantize_awq(src, tmp_path / "awq", 32, [ids[begin:begin + 64] for begin in range(0, 256, 64)])
+    assert json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"] | {
+        "modules_to_not_convert": None} == {"quant_method": "awq", "zero_point": True, "group_size": 32, "bits": 4,
+                                            "version": "gemm", "modules_to_not_convert": None}
+    saved, original = load_file(str(tmp_path / "awq" / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    floats = {name: t for name, t in saved.items() if not name.endswith((".qweight", ".qzeros", ".scales"))}
+    norm = "model.layers.0.post_attention_layernorm.weight"
+    assert not torch.equal(floats[norm], original[norm])  # the searched scales were folded into the norm
+
+    checkpoint = read_hf_dir(tmp_path / "awq")
+    assert checkpoint.quantization == "awq"
+    for name, weight in expected.items():
+        np.testing.assert_array_equal(_bits(checkpoint.tensors[name].dequantize()), _bits(weight), err_msg=name)
+    manifest = _export(tmp_path / "awq", "none", tmp_path / "artifact", io.StringIO())
+    assert manifest.quantization == "awq"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    missing = hf.load_state_dict(floats | {name: torch.from_numpy(w) for name, w in expected.items()}, strict=False)
+    assert missing.missing_keys == ["lm_head.weight"] and not missing.unexpected_keys  # tied to the embedding
+    assert_engine_follows(tmp_path / "artifact", hf, "autoawq")
 
 
 @pytest.fixture(scope="module")
