@@ -191,8 +191,33 @@ void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_
   }
 }
 
+// Per-thread floats for one chunk's K and V rows of one kv head, widened (a second buffer beside scratch's).
+float *chunk_buffer(size_t size) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < size) buffer.resize(size);
+  return buffer.data();
+}
+
+// The chunk's n key and value rows of one kv head (`dim` elements at `offset`) widened to float32 once,
+// as rows addressed by key index from j0: a tile's score and value loops then read floats, as for a
+// float32 cache, instead of widening each key element once per tile of head vectors and each value
+// element once per 4 heads. The widening is exact, so the results equal widening in the loops bit for bit.
+template <class Rows>
+PackedRows widen_chunk(const Rows &kv, int64_t offset, int64_t j0, int64_t n, int64_t dim) {
+  float *k = chunk_buffer(2 * kChunk * dim), *v = k + kChunk * dim;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto *key = kv.k(j0 + j) + offset, *value = kv.v(j0 + j) + offset;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      store8(k + j * dim + d, load8(key + d));
+      store8(v + j * dim + d, load8(value + d));
+    }
+  }
+  return PackedRows{k, v, -j0, dim};
+}
+
 // A prefill tile against one kv head (at `offset` in the K/V rows); query and out point at its first
 // row's first head of that kv head. `k_scale` (int8 caches, else null): that kv head's K scales.
+// Caches of 16-bit or int8 elements are widened a chunk at a time (widen_chunk).
 template <class Rows>
 void attend_tile(const float *query, float *out, const TileShape &t, const Rows &kv, int64_t offset,
                  const float *k_scale) {
@@ -210,16 +235,23 @@ void attend_tile(const float *query, float *out, const TileShape &t, const Rows 
   for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
     const int64_t n = std::min(kChunk, keys - j0);
     prefetch(kv, j0 + kChunk, std::min(keys, j0 + 2 * kChunk), offset, dim);
-    if (t.head_vectors() == 2) {
-      chunk_scores<2>(s, t, kv, offset, j0, n);
+    const auto chunk = [&](const auto &rows, int64_t at) {
+      if (t.head_vectors() == 2) {
+        chunk_scores<2>(s, t, rows, at, j0, n);
+      } else {
+        chunk_scores<1>(s, t, rows, at, j0, n);
+      }
+      chunk_softmax(s, t, j0, n);
+      if (dim % (2 * kLanes)) {
+        chunk_values<1>(s, t, rows, at, j0, n);
+      } else {
+        chunk_values<2>(s, t, rows, at, j0, n);
+      }
+    };
+    if constexpr (std::is_same_v<typename Rows::Elem, float>) {
+      chunk(kv, offset);
     } else {
-      chunk_scores<1>(s, t, kv, offset, j0, n);
-    }
-    chunk_softmax(s, t, j0, n);
-    if (dim % (2 * kLanes)) {
-      chunk_values<1>(s, t, kv, offset, j0, n);
-    } else {
-      chunk_values<2>(s, t, kv, offset, j0, n);
+      chunk(widen_chunk(kv, offset, j0, n, dim), 0);
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -395,22 +427,32 @@ Int8Query int8_query(const float *query, int64_t heads, int64_t dim) {
   steps.resize(heads * kQueryLevels + dim);
   starts.resize(heads * kQueryLevels);
   float *left = steps.data() + heads * kQueryLevels;
+  // In vectors of 8 channels (head_dim is a multiple of 8): once per decode row, but scalar it showed in the profile.
+  const __m256 limit = _mm256_set1_ps(127.f), sign = _mm256_set1_ps(-0.f);
   for (int64_t h = 0; h < heads; ++h) {
     std::copy(query + h * dim, query + (h + 1) * dim, left);
     for (int64_t l = 0; l < kQueryLevels; ++l) {
+      __m256 peak = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += kLanes) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(left + d)));
       float top = 0.f;
-      for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::fabs(left[d]));
+      for (int64_t i = 0; i < kLanes; ++i) top = std::max(top, peak[i]);
       const float step = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
       int8_t *q = levels.data() + (h * kQueryLevels + l) * padded;
-      int32_t sum = 0;
-      for (int64_t d = 0; d < dim; ++d) {
-        const float level = std::clamp(std::nearbyint(left[d] * inv), -127.f, 127.f);
-        q[d] = static_cast<int8_t>(level);
-        sum += q[d];
-        left[d] -= level * step;
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const __m256 x = _mm256_loadu_ps(left + d);
+        // clamp, then round half to even (the MXCSR default): the same integers as clamp(nearbyint(x)).
+        const __m256i code = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(inv)),
+                                                                           -limit), limit));
+        _mm_storel_epi64(reinterpret_cast<__m128i *>(q + d), _mm256_cvtepi32_epi8(code));
+        sum = _mm256_add_epi32(sum, code);
+        _mm256_storeu_ps(left + d, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(step), x));
       }
+      int32_t lanes[kLanes], total = 0;
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(lanes), sum);
+      for (const int32_t lane : lanes) total += lane;
       steps[h * kQueryLevels + l] = step;
-      starts[h * kQueryLevels + l] = -128 * sum;
+      starts[h * kQueryLevels + l] = -128 * total;
     }
   }
   return {levels.data(), steps.data(), starts.data(), padded};
@@ -474,8 +516,15 @@ void attend_row(const float *query, float *out, const Rows &kv, const pg_attenti
   const int64_t heads = dims.head_num, group = heads / dims.kv_head_num, dim = dims.head_dim;
   const RowState s = row_state(heads, dim);
   const int64_t padded = (heads + kLanes - 1) / kLanes * kLanes;
-  for (int64_t i = 0; i < heads * dim; ++i)
-    s.query[i] = query[i] * dims.qk_scale * (k_scale ? k_scale[i / (group * dim) * dim + i % dim] : 1.f);
+  for (int64_t h = 0; h < heads; ++h) {  // per head, so no division per element finds a head's K scales
+    const float *q = query + h * dim, *scale = k_scale ? k_scale + h / group * dim : nullptr;
+    float *scaled = s.query + h * dim;
+    if (scale) {
+      for (int64_t d = 0; d < dim; ++d) scaled[d] = q[d] * dims.qk_scale * scale[d];
+    } else {
+      for (int64_t d = 0; d < dim; ++d) scaled[d] = q[d] * dims.qk_scale;
+    }
+  }
   std::fill(s.acc, s.acc + heads * dim, 0.f);
   std::fill(s.total, s.total + heads * kLanes, 0.f);
   std::fill(s.peak, s.peak + padded, -INFINITY);
