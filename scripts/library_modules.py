@@ -60,8 +60,8 @@ def not_installed(name: str, why: str) -> Iterator[None]:
         del sys.modules[name]
 
 
-def autoawq_llama() -> type:
-    """AutoAWQ's Llama model class (`from_pretrained`, `quantize`, `save_quantized`), its packages bare and
-    `datasets` not needed: the calibration windows are passed as token lists."""
+def autoawq(module: str) -> types.ModuleType:
+    """A module of autoawq (its model classes, its quantizer), its top-level package bare and `datasets` not needed:
+    the calibration windows are passed as token lists."""
     with not_installed("datasets", "AutoAWQ loads a hub calibration set with it; pass the windows as tokens"):
-        return bare_module("awq.models.llama").LlamaAWQForCausalLM
+        return bare_module(module)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from scripts.library_modules import LibraryMissing, autoawq_llama, bare_module
+from scripts.library_modules import LibraryMissing, bare_module
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -147,22 +147,19 @@ def awq_dequantized(state: dict[str, Any], group_size: int) -> dict[str, np.ndar
 
 
 def quantize_awq(src: Path, out: Path, group_size: int, windows: list[list[int]]) -> dict[str, np.ndarray]:
-    """`src` quantized by AutoAWQ's own quantizer, as scripts/awq_checkpoint.py runs it on the real model (its
+    """`src` quantized by AutoAWQ's own quantizer as scripts/awq_checkpoint.py runs it on the real model (its
     activation-aware scale search and clipping search on `windows`, then its GEMM packing) and written by its
     `save_quantized` to `out` (tokenizer files copied from `src`); returns `awq_dequantized` of the file."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file
 
+    from scripts.awq_checkpoint import awq_quantize
+
     try:
-        llama = autoawq_llama()
+        awq_quantize(src, out, group_size, windows)
     except LibraryMissing as exc:
         pytest.skip(str(exc))
-    model = llama.from_pretrained(str(src), "llama", torch_dtype=torch.float32, device_map="cpu")
-    model.quantize(None, quant_config={"zero_point": True, "q_group_size": group_size, "w_bit": 4, "version": "GEMM"},
-                   calib_data=windows, max_calib_samples=len(windows), max_calib_seq_len=len(windows[0]))
-    model.save_quantized(str(out))
     for tokenizer_file in src.glob("*token*"):
         shutil.copy(tokenizer_file, out)
     return awq_dequantized(load_file(str(out / "model.safetensors")), group_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import GRAPH, export
 from pagedgraph.graphs.quant import BlockQuantized
 from pagedgraph.texts import shipped_text
+from scripts.library_modules import autoawq
 from tests.exporter.hf_quantized_checkpoints import quantize_awq, write_awq, write_gptq
 from tests.exporter.test_quantized import _bits, _written_weight
 from tests.graphs.test_tiny_models_vs_transformers import assert_engine_follows
@@ -117,8 +119,8 @@ AWQ_DIMS = {"hidden_size": 128, "intermediate_size": 256}
 def test_autoawqs_own_quantizer_is_read_as_it_is(tmp_path: Path) -> None:
     """AutoAWQ's real quantizer (scripts/awq_checkpoint.py's path), not a min-max packing: its scale search folds
     per-channel scales into the norms and up_proj, its clipping search shrinks the weights, and save_quantized
-    writes the file and config its own way. The artifact follows transformers fp32 on that file: its float
-    tensors and autoawq's dequantization of its blocks."""
+    writes the file and config its own way. The file is what AWQ promises, and the artifact follows transformers
+    fp32 on it: its float tensors and autoawq's dequantization of its blocks."""
     from safetensors.torch import load_file
 
     src = make_tiny_hf_checkpoint(tmp_path / "float", dims=AWQ_DIMS)
@@ -131,6 +133,18 @@ def test_autoawqs_own_quantizer_is_read_as_it_is(tmp_path: Path) -> None:
     floats = {name: t for name, t in saved.items() if not name.endswith((".qweight", ".qzeros", ".scales"))}
     norm = "model.layers.0.post_attention_layernorm.weight"
     assert not torch.equal(floats[norm], original[norm])  # the searched scales were folded into the norm
+    # AWQ's promise, which AutoAWQ 0.2.9 breaks on CPU without scripts/awq_checkpoint.awq_quantize's fix (there
+    # 11% of these values agree): q/k_proj (never clipped) hold AutoAWQ's own min-max grid of the float weight
+    # times the scales folded into input_layernorm.
+    grid = types.SimpleNamespace(group_size=32, zero_point=True, w_bit=4)
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        scales = original[p + "input_layernorm.weight"] / floats[p + "input_layernorm.weight"]
+        for proj in ("q_proj", "k_proj"):
+            name = p + f"self_attn.{proj}.weight"
+            want = autoawq("awq.quantize.quantizer").AwqQuantizer.pseudo_quantize_tensor(
+                grid, (original[name] * scales).half())[0]
+            assert (torch.from_numpy(expected[name]).half() == want).float().mean() > 0.99, name
 
     checkpoint = read_hf_dir(tmp_path / "awq")
     assert checkpoint.quantization == "awq"
