@@ -5,8 +5,9 @@ transformers reads the default GGUF in float32 and saves it as an HF directory (
 scripts/gptq_checkpoint.py does); autoawq 0.2.9 loads that directory in float32
 (`LlamaAWQForCausalLM.from_pretrained`), and its `quantize` (`AwqQuantizer`: per layer, the activation-aware
 per-channel scale search, with a fix for CPU tensors (`awq_quantize`), and the weight clipping search, then min-max
-4-bit groups with zero points) runs on the shipped calibration text (`--windows` windows of `--context` tokens, passed as token lists; AutoAWQ joins them and
-cuts blocks of `--context`, dropping the remainder); `save_quantized` writes `<out>/awq` in the GEMM layout.
+4-bit groups with zero points) runs on the shipped calibration text (`--windows` windows of `--context` tokens,
+passed as token lists; AutoAWQ joins them and cuts blocks of `--context`, dropping the remainder);
+`save_quantized` writes `<out>/awq` in the GEMM layout.
 AutoAWQ needs every linear's input width to be a multiple of the group: the default group is the largest of 128,
 64 and 32 that divides them (64 for SmolLM2's 576 inputs).
 Needs torch, transformers, accelerate and autoawq (`pip install --no-deps autoawq==0.2.9`); `datasets`, which
