@@ -60,7 +60,41 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
+MADV_RANDOM = 1  # no readahead on a fault: read the faulting page only
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages now (their data is kept: a later read faults them back)
+M_MMAP_THRESHOLD = -3  # glibc mallopt: blocks at least this large are mmapped, and unmapped when freed
+LARGE_BLOCK = 1 << 20
+
+
+def run_options() -> ort.RunOptions:
+    """Every step's run options: ORT frees the arena regions left wholly unused when the step returns.
+
+    Without it the arena keeps every region it ever grew: a 2,048-token prefill's activations (~50 MiB) stayed
+    resident for good, and the regions grown for different gears added up (docs/performance.md, 'Memory,
+    evening'). Decode steps fit in the regions that hold the prepacked weights, which are never freed."""
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
+
+
+def unmap_large_blocks() -> bool:
+    """Make glibc unmap every freed block of >= 1 MiB (process-wide) and give back the heap's free pages now;
+    whether it took.
+
+    The arena's regions are malloc'd; glibc raises its mmap threshold to the largest block freed (up to 32 MiB),
+    so after the first shrinkage the regions ORT gives back would stay in the heap, resident. A fixed threshold
+    stops that adjustment. The trim returns what loading freed (the tokenizer's JSON, the session's graph
+    building: 5-8 MiB). Other C libraries have no mallopt or malloc_trim: nothing changes there."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    took = mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK) == 1
+    malloc_trim(0)
+    return took
 
 
 def page_out_weights(directory: Path) -> int:
@@ -71,7 +105,11 @@ def page_out_weights(directory: Path) -> int:
     (MatMulNBits, Gemm): the pages prepacking read stay resident, though only the unpacked readers (the embedding's
     Gather, BlockMinimum's minima, the norms) read the file again, and those pages fault back in on use (measured
     in docs/performance.md, 'Precision'). MADV_PAGEOUT is reclaim, not discard, so it is safe on any mapping; where
-    it or /proc/self/maps is missing (Linux < 5.4, other systems) nothing changes."""
+    it or /proc/self/maps is missing (Linux < 5.4, other systems) nothing changes.
+
+    The mappings are also advised MADV_RANDOM: the Gather reads scattered embedding rows, and a fault would read
+    ahead and map up to 128 KiB around each row it touches (a run of random prompt tokens brought back nearly the
+    whole float32 table; 'Memory, evening')."""
     root = str(directory.resolve()) + "/"
     ranges = []
     try:
@@ -85,6 +123,8 @@ def page_out_weights(directory: Path) -> int:
     except (OSError, AttributeError):
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for start, end in ranges:
+        madvise(start, end - start, MADV_RANDOM)
     return sum(end - start for start, end in ranges if madvise(start, end - start, MADV_PAGEOUT) == 0)
 
 
@@ -127,6 +167,8 @@ class OrtExecutor:
         self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
                                             providers=["CPUExecutionProvider"])
         page_out_weights(Path(artifact) / "graphs")
+        unmap_large_blocks()
+        self._run_options = run_options()
         self.model = manifest.model
         self.pools = pools
         # By their bits: ORT's numpy bridge has no bfloat16 (the OrtValue still wraps the array, no copy).
@@ -158,5 +200,5 @@ class OrtExecutor:
         """Run one step; `inputs` must be the packer's buffers for this gear (bound once, by identity). The logits
         are a view of the executor's one buffer, valid until the next run."""
         binding, logits = self._binding(gear, inputs)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._run_options)
         return logits
