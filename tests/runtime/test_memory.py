@@ -88,3 +88,56 @@ def test_prepacked_weights_file_pages_are_given_back(smollm2_artifact: Path) -> 
     weights = (smollm2_artifact / "graphs" / "weights.bin").stat().st_size
     resident = _probe(MAPPED_PROBE, smollm2_artifact)
     assert resident < 0.05 * weights, f"{resident / 2**20:.0f} MiB of weights.bin resident after loading"
+
+
+RELEASE_PROBE = """
+import sys
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
+engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
+for pool in engine.executor.pools.values():
+    pool.fill(0)  # touched now, so what follows is the step's own memory
+params = SamplingParams(max_tokens=1, temperature=0)
+engine.add_request(list(range(100, 110)), params)
+while engine.has_unfinished():
+    engine.step()
+def anonymous():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+before = anonymous()
+engine.add_request(list(range(100, 1123)), params)
+engine.step()
+print(anonymous() - before)
+"""
+
+
+def test_a_long_prefill_step_gives_its_activations_back(smollm2_artifact: Path) -> None:
+    """Once a 1,023-token prefill step returns, its activations are no longer resident.
+
+    ORT's arena kept every region it grew, so the longest step's activations stayed for good (+41 MiB here, more
+    on the bench's 2,048-token gears); the executor's run option frees the unused regions after each step and
+    glibc unmaps them (executor_ort.run_options, unmap_large_blocks)."""
+    grown = _probe(RELEASE_PROBE, smollm2_artifact)
+    assert grown < 12 * 2**20, f"a 1,023-token prefill step left {grown / 2**20:.0f} MiB of anonymous memory resident"
+
+
+RANDOM_PROBE = """
+import sys
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=64))  # kept: its session holds the mappings
+mappings, advised, in_weights = 0, 0, False
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and len(fields) >= 5:
+        in_weights = line.rstrip().endswith("weights.bin")
+        mappings += in_weights
+    elif in_weights and fields[0] == "VmFlags:":
+        advised += "rr" in fields[1:]
+print(mappings - advised)
+"""
+
+
+def test_weights_file_is_read_at_random(smollm2_artifact: Path) -> None:
+    """Every weights.bin mapping is advised MADV_RANDOM (smaps flag `rr`): the embedding's Gather reads scattered
+    rows, and with read-around each fault mapped ~64 KiB of neighbouring rows (a random-token workload brought back
+    nearly all of the 113 MB float32 table; docs/performance.md, 'Memory, evening')."""
+    assert _probe(RANDOM_PROBE, smollm2_artifact) == 0, "weights.bin mappings without MADV_RANDOM"
