@@ -84,7 +84,8 @@ struct HeadState {
   float *query_t, *acc, *scores, *peak, *total, *last_key, *correction;
 };
 
-// Per-thread floats, grown on demand and reused by every later item on that thread.
+// Per-thread floats, grown on demand and reused by every later item on that thread; one buffer per Slot.
+template <int Slot = 0>
 float *scratch(size_t size) {
   thread_local std::vector<float> buffer;
   if (buffer.size() < size) buffer.resize(size);
@@ -191,20 +192,13 @@ void chunk_values(const HeadState &s, const TileShape &t, const Rows &kv, int64_
   }
 }
 
-// Per-thread floats for one chunk's K and V rows of one kv head, widened (a second buffer beside scratch's).
-float *chunk_buffer(size_t size) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < size) buffer.resize(size);
-  return buffer.data();
-}
-
 // The chunk's n key and value rows of one kv head (`dim` elements at `offset`) widened to float32 once,
 // as rows addressed by key index from j0: a tile's score and value loops then read floats, as for a
 // float32 cache, instead of widening each key element once per tile of head vectors and each value
 // element once per 4 heads. The widening is exact, so the results equal widening in the loops bit for bit.
 template <class Rows>
 PackedRows widen_chunk(const Rows &kv, int64_t offset, int64_t j0, int64_t n, int64_t dim) {
-  float *k = chunk_buffer(2 * kChunk * dim), *v = k + kChunk * dim;
+  float *k = scratch<1>(2 * kChunk * dim), *v = k + kChunk * dim;  // beside the tile's own scratch
   for (int64_t j = 0; j < n; ++j) {
     const auto *key = kv.k(j0 + j) + offset, *value = kv.v(j0 + j) + offset;
     for (int64_t d = 0; d < dim; d += kLanes) {
