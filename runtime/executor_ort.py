@@ -154,6 +154,20 @@ def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
     return True
 
 
+def step_binding(session: ort.InferenceSession, inputs: dict[str, np.ndarray], pools: dict[str, ort.OrtValue],
+                 logits: np.ndarray) -> ort.IOBinding:
+    """A step's binding: the inputs and logits by their buffers, each KV pool as both the input and the output of
+    its layer, so ReshapeAndCache writes in place (a run without it copies every pool per call)."""
+    binding = session.io_binding()
+    for name, array in inputs.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+    for name, value in pools.items():
+        binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(c.cache_output_name(name), value)
+    binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+    return binding
+
+
 class OrtExecutor:
     def __init__(self, artifact: Path, manifest: Manifest, pools: KVPools, threads: int | None = None,
                  custom_ops: CustomOps = "auto") -> None:
@@ -185,15 +199,8 @@ class OrtExecutor:
     def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:
         cached = self._bindings.get(gear)
         if cached is None:
-            binding = self.session.io_binding()
-            for name, array in inputs.items():
-                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
-            for name, value in self._pool_values.items():
-                binding.bind_ortvalue_input(name, value)
-                binding.bind_ortvalue_output(c.cache_output_name(name), value)
             logits = self._logits[:gear.seqs]
-            binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-            cached = self._bindings[gear] = (binding, logits)
+            cached = self._bindings[gear] = (step_binding(self.session, inputs, self._pool_values, logits), logits)
         return cached
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -23,7 +23,7 @@ from ...graphs import contract as c
 from ...graphs.contract import DECODE, PREFILL, Gear
 from ...graphs.kv_cache import cache_format
 from ...kernels.build import ort_library_path
-from ..executor_ort import register_custom_ops, session_options
+from ..executor_ort import register_custom_ops, run_options, session_options, step_binding
 from ..executors import CustomOps
 
 MLAS_PATHS = {0: "SQNBitGemm CompFp32", 1: "SQNBitGemm CompFp32", 2: "SQNBitGemm CompFp16",
@@ -59,11 +59,16 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             options.profile_file_prefix = str(Path(scratch) / "profile")
             session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
             model = manifest.model
-            pool = np.zeros(((gear.blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
-            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"), fmt.onnx_type)
-            feed = {**_feed(gear, manifest.block_size), **{n: value for n in c.cache_names(model.num_layers)}}
+            pools = {name: np.zeros(((gear.blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
+                     for name in c.cache_names(model.num_layers)}
+            values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"),
+                                                                            fmt.onnx_type)
+                      for name, pool in pools.items()}
+            logits = np.zeros((gear.seqs, model.vocab_size), np.float32)
+            binding = step_binding(session, _feed(gear, manifest.block_size), values, logits)  # as the engine runs
+            run = run_options()
             for _ in range(runs + 1):  # the first run also prepacks: left out below
-                session.run([c.LOGITS], feed)
+                session.run_with_iobinding(binding, run)
             events = json.loads(Path(session.end_profiling()).read_text())
         out[phase] = {"gear": [gear.tokens, gear.seqs, gear.blocks], "ops": _per_op(events, runs)}
     if out["custom_ops"] and manifest.dtype == "bfloat16":
