@@ -33,18 +33,21 @@ def test_weights_resident_once(smollm2_artifact: Path) -> None:
     assert grown < 1.4 * weights, f"loading grew RSS by {grown / 1e6:.0f} MB for {weights / 1e6:.0f} MB of weights"
 
 
-PREFILL_PROBE = """
+# An engine past its first step, its pools touched, so what a probe measures next is one step's own memory.
+WARM_ENGINE = """
 import sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
-from tests.paths import REPO
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
 for pool in engine.executor.pools.values():
-    pool.fill(0)  # touched now, so the step's growth is its own transients
+    pool.fill(0)
 params = SamplingParams(max_tokens=1, temperature=0)
 engine.add_request(list(range(100, 110)), params)
 while engine.has_unfinished():
     engine.step()
+"""
+
+PREFILL_PROBE = WARM_ENGINE + """
 def hwm():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 with open("/proc/self/clear_refs", "w") as f:
@@ -90,17 +93,7 @@ def test_prepacked_weights_file_pages_are_given_back(smollm2_artifact: Path) -> 
     assert resident < 0.05 * weights, f"{resident / 2**20:.0f} MiB of weights.bin resident after loading"
 
 
-RELEASE_PROBE = """
-import sys
-from pagedgraph.runtime.engine import EngineConfig, LLMEngine
-from pagedgraph.runtime.sampling_params import SamplingParams
-engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
-for pool in engine.executor.pools.values():
-    pool.fill(0)  # touched now, so what follows is the step's own memory
-params = SamplingParams(max_tokens=1, temperature=0)
-engine.add_request(list(range(100, 110)), params)
-while engine.has_unfinished():
-    engine.step()
+RELEASE_PROBE = WARM_ENGINE + """
 def anonymous():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
 before = anonymous()
