@@ -240,8 +240,9 @@ int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, c
                                       {DNNL_ARG_DST, st.dst.get()}, {DNNL_ARG_SCRATCHPAD, st.scratchpad.get()}};
       if (status[i] == dnnl_success) status[i] = dnnl_primitive_execute(st.primitive.get(), s.streams[i].get(), 4, args);
       if (status[i] == dnnl_success) status[i] = dnnl_stream_wait(s.streams[i].get());
-      for (int64_t r = 0; r < rows && rows > 1; ++r)
-        std::memcpy(y + (first + r) * n + c.first, dense + r * c.width, c.width * sizeof(float));
+      if (rows > 1)  // one row was written in place
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(y + (first + r) * n + c.first, dense + r * c.width, c.width * sizeof(float));
     }
   });
   for (int64_t i = 0; i < chunks; ++i)

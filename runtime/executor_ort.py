@@ -25,7 +25,6 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import Gear
-from ..graphs.kv_cache import cache_format
 from ..kernels.build import KernelBuildError, ort_library_path
 from ..kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
 from .kv_pools import KVPools
@@ -77,9 +76,8 @@ def run_options() -> ort.RunOptions:
     return options
 
 
-def unmap_large_blocks() -> bool:
-    """Make glibc unmap every freed block of >= 1 MiB (process-wide) and give back the heap's free pages now;
-    whether it took.
+def unmap_large_blocks() -> None:
+    """Make glibc unmap every freed block of >= 1 MiB (process-wide) and give back the heap's free pages now.
 
     The arena's regions are malloc'd; glibc raises its mmap threshold to the largest block freed (up to 32 MiB),
     so after the first shrinkage the regions ORT gives back would stay in the heap, resident. A fixed threshold
@@ -89,17 +87,15 @@ def unmap_large_blocks() -> bool:
         libc = ctypes.CDLL(None)
         mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
-        return False
+        return
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     malloc_trim.argtypes = [ctypes.c_size_t]
-    took = mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK) == 1
+    mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK)
     malloc_trim(0)
-    return took
 
 
-def page_out_weights(directory: Path) -> int:
-    """Give back the resident pages of `directory`'s files that ONNX Runtime still maps once a session is built;
-    returns the bytes advised.
+def page_out_weights(directory: Path) -> None:
+    """Give back the resident pages of `directory`'s files that ONNX Runtime still maps once a session is built.
 
     ORT maps the external weights file and keeps the mapping after prepacking a weight into its own buffer
     (MatMulNBits, Gemm): the pages prepacking read stay resident, though only the unpacked readers (the embedding's
@@ -121,11 +117,11 @@ def page_out_weights(directory: Path) -> int:
                     ranges.append((start, end))
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        return 0
+        return
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for start, end in ranges:
         madvise(start, end - start, MADV_RANDOM)
-    return sum(end - start for start, end in ranges if madvise(start, end - start, MADV_PAGEOUT) == 0)
+        madvise(start, end - start, MADV_PAGEOUT)
 
 
 @cache
@@ -152,6 +148,14 @@ def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
         _warn_fallback(str(error))
         return False
     return True
+
+
+def pool_values(pools: KVPools) -> dict[str, ort.OrtValue]:
+    """Each pool as an OrtValue over its own memory, by its bits: ORT's numpy bridge has no bfloat16 (the OrtValue
+    still wraps the array, no copy)."""
+    fmt = pools.format
+    return {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{fmt.itemsize}"), fmt.onnx_type)
+            for name, a in pools.items()}
 
 
 def step_binding(session: ort.InferenceSession, inputs: dict[str, np.ndarray], pools: dict[str, ort.OrtValue],
@@ -185,11 +189,7 @@ class OrtExecutor:
         self._run_options = run_options()
         self.model = manifest.model
         self.pools = pools
-        # By their bits: ORT's numpy bridge has no bfloat16 (the OrtValue still wraps the array, no copy).
-        fmt = pools.format
-        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{fmt.itemsize}"),
-                                                                                   fmt.onnx_type)
-                             for name, a in pools.items()}
+        self._pool_values = pool_values(pools)
         self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
         # One logits buffer for all gears, each binding its first `seqs` rows: per-gear buffers were each resident
         # once written (a mixed run touches ~6 gears, ~34 MiB at a 49k vocabulary; docs/performance.md, 'Precision').

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from scripts.library_modules import bare_module  # noqa: E402
+from scripts.make_reference import greedy_logits  # noqa: E402
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,")
 PACKED = (".qweight", ".qzeros", ".scales")
@@ -71,19 +72,6 @@ def references(checkpoint: Path) -> dict[str, Any]:
     return models
 
 
-@torch.no_grad()
-def hf_greedy(model: Any, prompt: list[int], tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and each step's float64 logits, decoding with transformers' KV cache."""
-    ids, past, out_tokens, logits = torch.tensor([prompt]), None, [], []
-    for _ in range(tokens):
-        step = model(ids, past_key_values=past, use_cache=True)
-        past = step.past_key_values
-        logits.append(step.logits[0, -1].double())
-        out_tokens.append(int(logits[-1].argmax()))
-        ids = torch.tensor([[out_tokens[-1]]])
-    return out_tokens, logits
-
-
 def compare(got: Any, want: list[int], want_logits: list[torch.Tensor]) -> dict[str, Any]:
     """Equal tokens, or the first step they part at with both margins; the top-5 logprob gap before it."""
     log_softmax = [torch.log_softmax(x, -1) for x in want_logits]
@@ -118,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     report = []
     for kind, model in references(args.checkpoint).items():
         for text, prompt, request in zip(PROMPTS, prompts, requests):
-            want, logits = hf_greedy(model, prompt, args.tokens)
+            want, logits = greedy_logits(model, prompt, args.tokens)
             report.append({"reference": kind, "prompt": text, **compare(done[request], want, logits),
                            "engine_text": tokenizer.decode(done[request].token_ids)})
     print(json.dumps(report, indent=1))

@@ -134,17 +134,23 @@ def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """Argmax decoding with a KV cache, never stopping early; returns ids and top-1 - top-2 gaps."""
+def greedy_logits(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Argmax decoding with a KV cache, never stopping early; returns ids and each step's float64 logits."""
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     ids: list[int] = []
-    gaps: list[float] = []
+    logits: list[torch.Tensor] = []
     for step in range(new_tokens):
-        top = torch.topk(out.logits[0, -1].float(), 2)
-        ids.append(int(top.indices[0]))
-        gaps.append(round(float(top.values[0] - top.values[1]), 6))
+        logits.append(out.logits[0, -1].double())
+        ids.append(int(logits[-1].argmax()))
         if step + 1 < new_tokens:
-            out = model(input_ids=top.indices[:1].view(1, 1), cache=out.cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[ids[-1]]]), cache=out.cache, use_cache=True)
+    return ids, logits
+
+
+def greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """Argmax decoding (greedy_logits); returns ids and top-1 - top-2 gaps."""
+    ids, logits = greedy_logits(model, prompt_ids, new_tokens)
+    gaps = [round(float(top[0] - top[1]), 6) for top in (torch.topk(step.float(), 2).values for step in logits)]
     return ids, gaps
 
 

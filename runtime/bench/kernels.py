@@ -21,10 +21,10 @@ import onnxruntime as ort
 from ...artifact.manifest import Manifest
 from ...graphs import contract as c
 from ...graphs.contract import DECODE, PREFILL, Gear
-from ...graphs.kv_cache import cache_format
 from ...kernels.build import ort_library_path
-from ..executor_ort import register_custom_ops, run_options, session_options, step_binding
+from ..executor_ort import pool_values, register_custom_ops, run_options, session_options, step_binding
 from ..executors import CustomOps
+from ..kv_pools import KVPools
 
 MLAS_PATHS = {0: "SQNBitGemm CompFp32", 1: "SQNBitGemm CompFp32", 2: "SQNBitGemm CompFp16",
               3: "SQNBitGemm CompBf16", 4: "SQNBitGemm CompInt8"}
@@ -49,7 +49,6 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
     manifest = Manifest.load(artifact, verify=False)
     graph = artifact / manifest.families[DECODE].graph
     out: dict[str, Any] = {"matmul_nbits": _nbits_forms(graph)}
-    fmt = cache_format(manifest.dtype)  # the graph's own pools (kv_cache.dtype auto)
     for phase in (DECODE, PREFILL):
         gear = min(manifest.families[phase].gears, key=lambda g: (g.tokens, g.blocks))
         with tempfile.TemporaryDirectory(prefix="pagedgraph-profile-") as scratch:
@@ -58,14 +57,10 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(scratch) / "profile")
             session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-            model = manifest.model
-            pools = {name: np.zeros(((gear.blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
-                     for name in c.cache_names(model.num_layers)}
-            values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"),
-                                                                            fmt.onnx_type)
-                      for name, pool in pools.items()}
-            logits = np.zeros((gear.seqs, model.vocab_size), np.float32)
-            binding = step_binding(session, _feed(gear, manifest.block_size), values, logits)  # as the engine runs
+            logits = np.zeros((gear.seqs, manifest.model.vocab_size), np.float32)
+            pools = KVPools(manifest, gear.blocks + 1)  # the graph's own cache dtype (auto)
+            # Bound as the engine runs a step: the pools in place (a plain run copies every pool per layer).
+            binding = step_binding(session, _feed(gear, manifest.block_size), pool_values(pools), logits)
             run = run_options()
             for _ in range(runs + 1):  # the first run also prepacks: left out below
                 session.run_with_iobinding(binding, run)
