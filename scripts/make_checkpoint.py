@@ -1,0 +1,222 @@
+"""Write a random-weight Hugging Face LLaMA checkpoint with a real model's shapes: what conversion, loading and
+memory are judged on at real sizes without downloading a model.
+
+    python scripts/make_checkpoint.py --preset 7b --out /data/ckpt-7b      # LLaMA-2-7B's layout, 12.6 GiB
+    python scripts/make_checkpoint.py --preset 1.1b --layers 4 --out DIR   # TinyLlama's widths, 4 layers
+
+The directory is what `save_pretrained` writes for a float16 model: config.json, the tokenizer files, and
+safetensors shards of at most `--shard-size` bytes (HF's default 5 GB) with model.safetensors.index.json. The
+tokenizer is SmolLM2's (rebuilt from the bundled GGUF by pagedgraph's own GGUF tokenizer code), so every preset
+has its 49,152-token vocabulary.
+
+Weights are drawn tensor by tensor, in chunks, and written straight into the shard files (the safetensors header
+is computed from the shapes first): memory stays at a few chunks whatever the model size. Linear and embedding
+weights are N(0, 0.02) (HF's `initializer_range`), norm weights 1 + N(0, 0.02): with those scales a forward pass
+stays finite at every preset (a model that produces NaN would prove nothing). Values are drawn by inverse CDF over
+65,536 equiprobable float16 levels, from a generator seeded per tensor: the same `--seed` writes the same bytes.
+The directory appears whole (written beside it, then renamed) or not at all.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+from typing import BinaryIO, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path  # noqa: E402
+from pagedgraph.exporter.checkpoint.gguf_tokenizer import tokenizer_spec  # noqa: E402
+
+INIT_STD = 0.02  # HF LlamaConfig.initializer_range
+CHUNK = 1 << 24  # elements drawn at a time (32 MiB of float16)
+SHARD_SIZE = 5_000_000_000  # transformers' default max_shard_size, "5GB"
+VOCAB = 49152  # SmolLM2's tokenizer
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The config.json fields that fix a LLaMA model's tensor shapes (and the few that go with them)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+
+
+PRESETS = {
+    "135m": Shape(576, 1536, 30, 9, 3, True, 8192, 100000.0, 1e-5),  # SmolLM2-135M
+    "1.1b": Shape(2048, 5632, 22, 32, 4, False, 2048, 10000.0, 1e-5),  # TinyLlama-1.1B
+    "7b": Shape(4096, 11008, 32, 32, 32, False, 4096, 10000.0, 1e-5),  # LLaMA-2-7B
+}
+
+
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, in HF's order (embedding, layers, final norm, LM head)."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    head_dim = hidden // shape.num_attention_heads
+    kv = shape.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, hidden)}
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    shapes["model.norm.weight"] = (hidden,)
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (VOCAB, hidden)
+    return shapes
+
+
+def shards(shapes: dict[str, tuple[int, ...]], shard_size: int) -> list[dict[str, tuple[int, ...]]]:
+    """Tensors grouped in order into shards of at most `shard_size` bytes (a larger tensor gets one alone)."""
+    groups: list[dict[str, tuple[int, ...]]] = [{}]
+    used = 0
+    for name, dims in shapes.items():
+        size = 2 * int(np.prod(dims))
+        if groups[-1] and used + size > shard_size:
+            groups.append({})
+            used = 0
+        groups[-1][name] = dims
+        used += size
+    return groups
+
+
+def _levels() -> np.ndarray:
+    """N(0, INIT_STD) as 65,536 equiprobable float16 levels (the inverse CDF at each level's midpoint)."""
+    normal = NormalDist(0.0, INIT_STD)
+    return np.array([normal.inv_cdf((k + 0.5) / 65536) for k in range(65536)], np.float32).astype(np.float16)
+
+
+def _chunks(levels: np.ndarray, seed: int, index: int, size: int, offset: float) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng([seed, index])
+    for begin in range(0, size, CHUNK):
+        draw = levels[rng.integers(0, 65536, min(CHUNK, size - begin), dtype=np.uint16)]
+        yield draw + np.float16(offset) if offset else draw
+
+
+def _header(group: dict[str, tuple[int, ...]]) -> bytes:
+    """The safetensors header: little-endian u64 length, then JSON padded with spaces to 8 bytes."""
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    begin = 0
+    for name, dims in group.items():
+        end = begin + 2 * int(np.prod(dims))
+        entries[name] = {"dtype": "F16", "shape": list(dims), "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_shard(f: BinaryIO, group: dict[str, tuple[int, ...]], order: dict[str, int], levels: np.ndarray,
+                 seed: int, bar: tqdm) -> None:
+    f.write(_header(group))
+    for name, dims in group.items():
+        offset = 1.0 if len(dims) == 1 else 0.0  # norm weights around 1
+        for chunk in _chunks(levels, seed, order[name], int(np.prod(dims)), offset):
+            f.write(chunk.tobytes())
+            bar.update(chunk.nbytes)
+
+
+def _config(shape: Shape, bos: int | None, eos: tuple[int, ...]) -> dict[str, object]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16",
+            "vocab_size": VOCAB, "hidden_act": "silu", "initializer_range": INIT_STD, "attention_bias": False,
+            "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+            **dataclasses.asdict(shape)}
+
+
+def _write_tokenizer(out: Path) -> tuple[int | None, tuple[int, ...]]:
+    """SmolLM2's tokenizer files, from the bundled GGUF's metadata; returns its BOS and EOS ids."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+
+    path = default_model_path()
+    reader = GGUFReader(path)
+    spec = tokenizer_spec({key: field.contents() for key, field in reader.fields.items()}, str(path))
+    (out / "tokenizer.json").write_text(spec.tokenizer_json, encoding="utf-8")
+    tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    token = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": token(spec.bos_token_id), "eos_token": token(spec.eos_token_ids[0]),
+         "add_bos_token": spec.add_bos_token, "chat_template": spec.chat_template,
+         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2, ensure_ascii=False), encoding="utf-8")
+    return spec.bos_token_id, spec.eos_token_ids
+
+
+def write_checkpoint(out: Path, shape: Shape, seed: int = 0, shard_size: int = SHARD_SIZE,
+                     progress: bool = True) -> Path:
+    """Write the checkpoint of `shape` to `out` (a new path); returns `out`."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"--out {out} exists; give a new path (the checkpoint is never written over files)")
+    shapes = tensor_shapes(shape)
+    total = 2 * sum(int(np.prod(d)) for d in shapes.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < total + (64 << 20):
+        raise OSError(f"{out.parent} has {free / 2**30:.1f} GiB free; this checkpoint needs {total / 2**30:.1f} GiB: "
+                      "free space or choose another --out")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        bos, eos = _write_tokenizer(staging)
+        (staging / "config.json").write_text(json.dumps(_config(shape, bos, eos), indent=2))
+        (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": list(eos)}))
+        groups = shards(shapes, shard_size)
+        order = {name: i for i, name in enumerate(shapes)}
+        files = ["model.safetensors"] if len(groups) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        levels = _levels()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
+            for name, group in zip(files, groups):
+                with open(staging / name, "wb") as f:
+                    _write_shard(f, group, order, levels, seed, bar)
+        if len(groups) > 1:
+            weight_map = {tensor: name for name, group in zip(files, groups) for tensor in group}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        staging.chmod(0o755)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", type=Path, required=True, help="a new directory")
+    parser.add_argument("--layers", type=int, help="override the preset's num_hidden_layers (smaller test models)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="bytes per safetensors shard at most")
+    args = parser.parse_args(argv)
+    shape = PRESETS[args.preset]
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"--layers {args.layers}: give at least 1")
+        shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
+    write_checkpoint(args.out, shape, args.seed, args.shard_size)
+    print(f"{args.out}: {args.preset} shapes, {shape.num_hidden_layers} layers, "
+          f"{sum(p.stat().st_size for p in args.out.iterdir()) / 2**30:.2f} GiB", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
