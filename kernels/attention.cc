@@ -116,9 +116,9 @@ void prefetch(const Rows &kv, int64_t begin, int64_t end, int64_t offset, int64_
   }
 }
 
-// scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of
-// heads (12 accumulators keep both FMA pipes busy; docs/performance.md, change 10) or 8 keys x 1 for short tiles:
-// each key element is broadcast once per tile, each query vector loaded once per d.
+// scores[j][h] = q_h . k_{j0+j} for the n keys of a chunk, in register tiles of 6 keys x 2 vectors of heads
+// (12 accumulators keep both FMA pipes busy; docs/performance.md, "Kernel and graph choices") or 8 keys x 1 for
+// short tiles: each key element is broadcast once per tile, each query vector loaded once per d.
 template <int64_t HV, class Rows>
 void chunk_scores(const HeadState &s, const TileShape &t, const Rows &kv, int64_t offset, int64_t j0, int64_t n) {
   constexpr int64_t kKeys = HV == 2 ? 6 : 8;

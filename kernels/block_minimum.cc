@@ -6,7 +6,7 @@
 // a time, each column vector accumulating one row of minimum_t per block. At B = 1 the step streams the minima
 // from memory, so they come as float16 where that is exact (Q4_1's own), widened by F16C (common.h's load8),
 // and a decode step's single tile is split by columns across the pool: one thread alone does not reach the
-// memory bandwidth two do (docs/performance.md, 'Single stream, evening').
+// memory bandwidth two do (docs/performance.md, "Kernel and graph choices").
 #include <algorithm>
 #include <cstdint>
 #include <string>

@@ -294,7 +294,8 @@ class LLMEngine:
                     ready.append(s)
         groups: dict[str, list[Sequence]] = {}
         if ready:
-            # In order, a view instead of a per-step copy of B x vocab floats (docs/performance.md, change 14).
+            # In order, a view instead of a per-step copy of B x vocab floats (docs/performance.md, "Kernel and graph
+            # choices").
             sampled = logits[:len(rows)] if in_order else logits[rows]
             for row, seq, token in zip(sampled, ready, self.sampler.sample(sampled, ready)):
                 if seq.params.logprobs is not None:

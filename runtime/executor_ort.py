@@ -50,11 +50,11 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     # Workers spin inside a step (a decode step is hundreds of short kernels, and waking a sleeping
     # worker for each is slow) and stop when the step returns, so they never take the cores the host
     # loop needs between steps. With another process on the cores, spinning costs instead.
-    # Figures: docs/performance.md, change 7.
+    # Figures: docs/performance.md, "Kernel and graph choices".
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
-    # without making steps faster (docs/performance.md, change 5).
+    # without making steps faster (docs/performance.md, "Kernel and graph choices").
     options.enable_mem_pattern = False
     return options
 
@@ -69,8 +69,8 @@ def run_options() -> ort.RunOptions:
     """Every step's run options: ORT frees the arena regions left wholly unused when the step returns.
 
     Without it the arena keeps every region it ever grew: a 2,048-token prefill's activations (~50 MiB) stayed
-    resident for good, and the regions grown for different gears added up (docs/performance.md, 'Memory,
-    evening'). Decode steps fit in the regions that hold the prepacked weights, which are never freed."""
+    resident for good, and the regions grown for different gears added up (docs/performance.md,
+    "Memory"). Decode steps fit in the regions that hold the prepacked weights, which are never freed."""
     options = ort.RunOptions()
     options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return options
@@ -100,12 +100,12 @@ def page_out_weights(directory: Path) -> None:
     ORT maps the external weights file and keeps the mapping after prepacking a weight into its own buffer
     (MatMulNBits, Gemm): the pages prepacking read stay resident, though only the unpacked readers (the embedding's
     Gather, BlockMinimum's minima, the norms) read the file again, and those pages fault back in on use (measured
-    in docs/performance.md, 'Precision'). MADV_PAGEOUT is reclaim, not discard, so it is safe on any mapping; where
+    in docs/performance.md, "Memory"). MADV_PAGEOUT is reclaim, not discard, so it is safe on any mapping; where
     it or /proc/self/maps is missing (Linux < 5.4, other systems) nothing changes.
 
     The mappings are also advised MADV_RANDOM: the Gather reads scattered embedding rows, and a fault would read
     ahead and map up to 128 KiB around each row it touches (a run of random prompt tokens brought back nearly the
-    whole float32 table; 'Memory, evening')."""
+    whole float32 table; "Memory")."""
     root = str(directory.resolve()) + "/"
     ranges = []
     try:

@@ -1,5 +1,5 @@
 """Make an HF AWQ checkpoint of the default model (SmolLM2-135M) with AutoAWQ's own quantizer on CPU, to measure
-`quantization: awq` on a real model (docs/performance.md, "GPTQ and AWQ checkpoints read as they are").
+`quantization: awq` on a real model (docs/performance.md, "Precision").
 
 transformers reads the default GGUF in float32 and saves it as an HF directory (`<out>/float`, as
 scripts/gptq_checkpoint.py does); autoawq 0.2.9 loads that directory in float32

@@ -1,5 +1,5 @@
 """Greedy tokens of an artifact exported from an AWQ checkpoint against two references running the same checkpoint
-(docs/performance.md, "GPTQ and AWQ checkpoints read as they are").
+(docs/performance.md, "Precision").
 
 - `dequantized`: transformers fp32 with the checkpoint's float tensors and autoawq's float32 `dequantize_gemm` of
   every linear (the engine on an `accuracy_level: 0` artifact computes the same products in float32);

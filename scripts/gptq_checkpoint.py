@@ -1,5 +1,5 @@
 """Make an HF GPTQ checkpoint of the default model (SmolLM2-135M) with auto-gptq's own GPTQ and packer, to measure
-`quantization: gptq` on a real model (docs/performance.md, "GPTQ and AWQ checkpoints read as they are").
+`quantization: gptq` on a real model (docs/performance.md, "Precision").
 
 transformers reads the default GGUF in float32 and saves it as an HF directory (`<out>/float`); every linear of
 the layers is then quantized (symmetric, both libraries' default) by auto-gptq 0.7.1's `GPTQ.fasterquant` with

@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on an artifact's tokenizer: the figures behind docs/performance.md's choice.
 
     pip install llguidance xgrammar   # xgrammar is not a pagedgraph dependency; this script alone needs it
-    flock /tmp/pg-cpu.lock python scripts/grammar_engines.py ARTIFACT_DIR
+    python scripts/grammar_engines.py ARTIFACT_DIR
 
 Measures, on the artifact's vocabulary: tokenizer set-up, compile time per JSON schema (cold: first mask
 included, since llguidance builds its lexer lazily), and the per-step mask time of B=16 matchers walking

@@ -1,11 +1,11 @@
-"""KV-cache dtypes side by side in ONE process (run it under the CPU lock): blocks per budget, decode step
+"""KV-cache dtypes side by side in ONE process (run it with the cores otherwise idle): blocks per budget, decode step
 time at 16 x 64 and 16 x 1,024 tokens of context, and the mixed workload on a pool that preempts at float32.
 
-    flock /tmp/pg-cpu.lock python scripts/kv_cache_bench.py --artifact ART --json docs/bench/kv_cache.json
+    python scripts/kv_cache_bench.py --artifact ART --json docs/bench/kv_cache.json
 
 The artifact needs graphs for every dtype compared (export.kv_cache_dtypes). Decode steps are measured in
-alternating rounds (each dtype once per round, the fastest step of each kept), so a load change on the shared
-machine hits every dtype alike.
+alternating rounds (each dtype once per round, the fastest step of each kept), so a change in the machine's load
+hits every dtype alike.
 """
 from __future__ import annotations
 

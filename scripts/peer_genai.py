@@ -1,7 +1,7 @@
 """Decode tok/s of onnxruntime-genai beside our engine: same model, same prompts, same process.
 
-Issue #3 quotes onnxruntime-genai's single-stream figure for this machine kind but no peer at 8+
-concurrent requests; this measures both here, alternately, so the ratio holds on a shared machine.
+onnxruntime-genai is a peer on the same ONNX Runtime; this measures both at 1 to 16 concurrent requests,
+alternately in one process, so the ratio holds when other processes take the cores.
 For N in --counts, N requests of --prompt-tokens random ids (>= 100, fixed seed) each generate
 exactly --max-tokens tokens greedily (EOS cannot stop them). genai serves them as one static batch
 of N; our engine serves them with `pagedgraph.runtime.bench.runner.run_engine`, as `micro.engine_concurrency`

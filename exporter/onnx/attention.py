@@ -69,7 +69,7 @@ def _when(n: Nodes, condition: str, width: str, branch: Callable[[Nodes], str]) 
     """`branch`'s [rows, width] output if `condition` ([1] bool) holds, else [0, width], its nodes not run.
 
     Empty groups are common (a decode step has no prefill chunks, B=1 one decode group): skipping
-    them saves about a third of a B=1 step's kernel launches (docs/performance.md, change 6). `branch`
+    them saves about a third of a B=1 step's kernel launches (docs/performance.md, "Kernel and graph choices"). `branch`
     emits only data ops into the Nodes it gets; shapes and indices stay outside, where CSE shares them
     across layers.
     """

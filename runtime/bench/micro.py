@@ -35,7 +35,7 @@ def random_requests(vocab_size: int, count: int, prompt_tokens: int, max_tokens:
 def engine_decode_step_s(engine: LLMEngine, contexts: list[int], steps: int = 8, seed: int = 0) -> float:
     """Fastest of `steps` decode steps of one sequence per entry of `contexts` (tokens held), all decoding.
 
-    The minimum, not the median: on a shared machine it is the step least disturbed by other load.
+    The minimum, not the median: when other processes take the cores, it is the step they disturbed least.
     Outputs are long enough that no sequence finishes (shrinking the batch) before the timed steps end.
     """
     rng = np.random.default_rng(seed)

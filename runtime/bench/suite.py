@@ -1,7 +1,7 @@
 """One benchmark invocation: the workload on the paged engine, its comparison runs, and the fixed experiments.
 
 Every comparison (the naive baseline, prefix caching off, the naive decode figures) runs in the
-same process, right after the paged engine, so ratios hold on a shared, noisy machine.
+same process, right after the paged engine, so ratios hold when other processes take the cores.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_mindspore_executor_matches_onnxruntime_and_hf(artifact: Path) -> None:
     # 30 layers of float32 matmuls summed in other orders (oneDNN vs MLAS, ONNX Runtime's attention as our
     # kernel's online softmax): a rounding error scales with the magnitude of what is summed, i.e. with the
     # row's logits, not with each (possibly tiny) logit, so the bound is relative to the row's largest one.
-    # Observed worst differences: docs/performance.md, "The op registry"; the bound is about 2.5x the worst.
+    # Observed worst differences: docs/performance.md, "MindSpore"; the bound is about 2.5x the worst.
     for (gear, a), (_, b) in zip(ms.steps, ort.steps):
         scale = np.abs(b).max(axis=1, keepdims=True)
         worst = float((np.abs(a - b) / scale).max())

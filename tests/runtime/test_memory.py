@@ -132,5 +132,5 @@ print(mappings - advised)
 def test_weights_file_is_read_at_random(smollm2_artifact: Path) -> None:
     """Every weights.bin mapping is advised MADV_RANDOM (smaps flag `rr`): the embedding's Gather reads scattered
     rows, and with read-around each fault mapped ~64 KiB of neighbouring rows (a random-token workload brought back
-    nearly all of the 113 MB float32 table; docs/performance.md, 'Memory, evening')."""
+    nearly all of the 113 MB float32 table; docs/performance.md, "Memory")."""
     assert _probe(RANDOM_PROBE, smollm2_artifact) == 0, "weights.bin mappings without MADV_RANDOM"

@@ -12,4 +12,4 @@ def test_the_design_walk_is_the_traced_one(smollm2_artifact: Path) -> None:
     assert files[0] == "runtime/server/app.py" and files[-1] == "runtime/executor_ort.py"
     assert documented((REPO / "docs" / "design.md").read_text()) == files, \
         "update docs/design.md section 3 from `python scripts/request_walk.py --artifact DIR`"
-    assert len(files) < 15  # issue 13: fewer files than the 15 a request passed through at its start
+    assert len(files) < 15  # 15 files at 06f36f1, before the walk was shortened

@@ -1,4 +1,4 @@
-"""Issue 14's sampling fields, echo, the tokenizer endpoints, /metrics and what-ran reports, through the real
+"""The sampling fields, echo, the tokenizer endpoints, /metrics and what-ran reports, through the real
 server on the real model with the official `openai` client; greedy answers are checked against the offline
 `LLM` on the same artifact (whose sampler tests/runtime/test_sampling.py checks against numpy references)."""
 from __future__ import annotations
