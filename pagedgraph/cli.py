@@ -72,7 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
         requests = _read_requests(Path(args.input))
     else:
         raise ConfigError("give --prompt TEXT or --input FILE.jsonl")
-    llm = LLM(args.artifact, num_blocks=args.num_blocks, threads=args.threads,
+    llm = LLM(args.artifact, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+              max_model_len=args.max_model_len, threads=args.threads,
               enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops,
               kv_cache_dtype=args.kv_cache_dtype)
     # A field neither the line nor a flag sets: the model's generation defaults (manifest), else SamplingParams'.
@@ -126,7 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
         artifact, model_name = _cached_export(args.model, log)
         name = name or model_name
     overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
-                 "kv_cache.num_blocks": args.num_blocks, "server.api_key": args.api_key,
+                 "kv_cache.num_blocks": args.num_blocks, "kv_cache.kv_cache_bytes": args.kv_cache_bytes,
+                 "scheduler.max_model_len": args.max_model_len, "server.api_key": args.api_key,
                  "executor.custom_ops": args.custom_ops, "kv_cache.dtype": args.kv_cache_dtype}
     if args.config is not None:
         deployment, source = load_deployment(args.config, overrides), args.config
@@ -258,6 +260,41 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+BYTE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """`--kv-cache-bytes`: a byte count, or a number with KiB, MiB, GiB or TiB (4GiB, 1.5GiB)."""
+    for unit, scale in BYTE_UNITS.items():
+        if text.endswith(unit):
+            number, factor = text[:-len(unit)].strip(), scale
+            break
+    else:
+        number, factor = text, 1
+    try:
+        value = int(float(number) * factor) if factor > 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (1073741824) or a size with "
+                                         f"{', '.join(BYTE_UNITS)} (4GiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
+    return value
+
+
+def _pool_flags(parser: argparse.ArgumentParser, override: str) -> None:
+    """The KV pool's size and max_model_len, for generate and (as overrides of the deployment YAML) serve."""
+    default = ("every sequence at max_model_len, capped to half the memory left free after the weights; a pool "
+               "too small for one max_model_len sequence is an error at start")
+    parser.add_argument("--num-blocks", type=int, dest="num_blocks",
+                        help=f"{override}kv_cache.num_blocks: KV pool size in blocks, wins over --kv-cache-bytes "
+                             f"(default: {default})")
+    parser.add_argument("--kv-cache-bytes", type=_byte_size, dest="kv_cache_bytes",
+                        help=f"{override}kv_cache.kv_cache_bytes: KV pool budget, bytes or 4GiB (default: {default})")
+    parser.add_argument("--max-model-len", type=int, dest="max_model_len",
+                        help=f"{override}scheduler.max_model_len: prompt + output tokens, at most the artifact's "
+                             f"(default: the artifact's)")
+
+
 def _kv_cache_dtype_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
     parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=("auto", *KV_CACHE_DTYPES), default=default,
                         help=f"{what}: what the KV pools hold (auto: the artifact's compute dtype; the artifact needs "
@@ -318,8 +355,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, dest="top_k",
                    help="sample among the k likeliest tokens, 0 for all (default: the model's generation_config, else 0)")
     p.add_argument("--seed", type=int, help="sampling seed (default: a fresh one per request)")
-    p.add_argument("--num-blocks", type=int, dest="num_blocks",
-                   help="KV pool size in blocks (default: as many as fit in 1 GiB)")
+    _pool_flags(p, "")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--no-prefix-caching", action="store_true", dest="no_prefix_caching",
                    help="never reuse cached KV blocks across requests (default: reuse them)")
@@ -350,8 +386,7 @@ def _parser() -> argparse.ArgumentParser:
                         "artifact's folder name)")
     p.add_argument("--host", help="override server.host (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="override server.port, 0 for any free port (default: 8000)")
-    p.add_argument("--num-blocks", type=int, dest="num_blocks",
-                   help="override kv_cache.num_blocks (default: as many as fit in kv_cache_bytes, 1 GiB)")
+    _pool_flags(p, "override ")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
     _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")

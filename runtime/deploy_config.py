@@ -20,8 +20,6 @@ from .engine import EngineConfig
 from .executors import CustomOps
 from .sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-
 
 class ModelSection(Settings):
     artifact: str = Field(description="exported artifact directory")
@@ -32,7 +30,9 @@ class ModelSection(Settings):
 class KVCacheSection(Settings):
     block_size: int | None = Field(None, ge=1, description="must equal the artifact's; default: the artifact's")
     num_blocks: int | None = Field(None, ge=2, description="pool size in blocks; wins over kv_cache_bytes")
-    kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="pool budget in bytes")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="pool budget in bytes; default (neither set): every "
+                                                               "sequence at max_model_len, capped to half the memory "
+                                                               "left free after the weights")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     prefix_cache_salt: str = Field("", description="mixed into every block hash: tenants with different salts "
                                                    "never share cached blocks")

@@ -14,7 +14,7 @@ from ..graphs.kv_cache import cache_format
 from .block_pool import CacheStats
 from .executors import CustomOps, check_custom_ops, make_executor
 from .kv_cache_manager import KVCacheManager
-from .kv_pools import KVPools
+from .kv_pools import KVPools, PoolRequest, bytes_per_block, pool_blocks, weights_bytes
 from .packer import Packer
 from .logits_processors import Penalties
 from .prompt_logprobs import PromptLogprobs, prompt_logprob_entries
@@ -29,8 +29,10 @@ from .tokenizer import IncrementalDetokenizer, Prompt, PromptEncoder, Tokenizer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_blocks: int | None = None  # overrides kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
+    # The KV pool's size: num_blocks wins over kv_cache_bytes; neither: sized from the model and the free memory
+    # (runtime/kv_pools.py, pool_blocks). Too small for one max_model_len sequence is an error at start.
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the artifact's
@@ -131,10 +133,12 @@ class EngineStats:
     generated: int = 0
     bucket_hits: dict[str, int] = field(default_factory=dict)
     cache: CacheStats = field(default_factory=CacheStats)  # live KV counters: hit rate, evictions
+    load_s: float = 0.0  # building the engine: manifest, tokenizer, KV pool, the executor's session
 
 
 class LLMEngine:
     def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
+        start = time.perf_counter()
         self.artifact = Path(artifact)
         self.manifest = Manifest.load(self.artifact)
         if config.gears is not None:
@@ -154,8 +158,10 @@ class LLMEngine:
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
         self.kv_cache_dtype = self.manifest.kv_cache_dtype(config.kv_cache_dtype, self.artifact)
-        self.pools = KVPools(self.manifest, config.num_blocks, self.kv_cache_dtype) if config.num_blocks \
-            else KVPools.for_budget(self.manifest, config.kv_cache_bytes, self.kv_cache_dtype)
+        blocks = pool_blocks(PoolRequest(bytes_per_block(self.manifest, self.kv_cache_dtype), self.manifest.block_size,
+                                         self.max_model_len, self.max_num_seqs, config.num_blocks,
+                                         config.kv_cache_bytes, weights_bytes(self.artifact)))
+        self.pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
         # The cache dtype is part of every block hash: blocks of two dtypes never match.
         self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
                                  f"kv_cache_dtype={self.kv_cache_dtype};".encode() + config.prefix_cache_salt.encode())
@@ -175,6 +181,7 @@ class LLMEngine:
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
+        self.stats.load_s = time.perf_counter() - start
 
     def _fit_limits(self, config: EngineConfig) -> tuple[int, int]:
         """Clamp the scheduler limits to what the exported gears can hold, so every step has a bucket."""
@@ -210,13 +217,8 @@ class LLMEngine:
         if len(ids) >= limit:
             raise RequestError("prompt", f"the prompt is {len(ids)} tokens; this model's max_model_len is {limit}, "
                                          f"so prompts must be at most {limit - 1} tokens", CONTEXT_LENGTH_EXCEEDED)
+        # Within max_model_len, so it fits the pool alone (checked at start) and preemption can never deadlock.
         params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), limit, default_max_tokens))
-        # Whole sequence, so one running alone always fits and preemption can never deadlock.
-        needed = -(-(len(ids) + params.max_tokens) // self.kv.block_size)
-        capacity = self.kv.usage().total
-        if needed > capacity:
-            raise RequestError("prompt", f"prompt plus max_tokens needs {needed} KV blocks but the pool has "
-                                         f"{capacity}; raise num_blocks or kv_cache_bytes, or lower max_tokens")
         if params.prompt_logprobs is not None and not self.scheduler.chunked_prefill \
                 and len(ids) > self.max_logits_rows:
             raise RequestError("prompt_logprobs", f"a {len(ids)}-token prompt needs as many logits rows in one step "

@@ -1,13 +1,16 @@
 """The per-layer K/V pools: the one owner of their memory, their size and block copies.
 
 Every executor wraps these arrays once (an OrtValue, a MindSpore Tensor, both without a copy) and
-its graphs write them in place; the engine sizes them from a memory budget and runs the
-copy-on-write block copies on them between steps. The KV cache manager only hands out block ids
-into them.
+its graphs write them in place; the engine sizes them (`pool_blocks`) and runs the copy-on-write block
+copies on them between steps. The KV cache manager only hands out block ids into them.
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -45,11 +48,6 @@ class KVPools(Mapping[str, np.ndarray]):
         self._arrays = {name: np.zeros((self.num_slots, model.kv_size), self.dtype)
                         for name in c.cache_names(model.num_layers)}
 
-    @classmethod
-    def for_budget(cls, manifest: Manifest, budget_bytes: int, kv_cache_dtype: str = "auto") -> "KVPools":
-        """As many blocks of `kv_cache_dtype` as `budget_bytes` holds (at least 2)."""
-        return cls(manifest, max(2, budget_bytes // bytes_per_block(manifest, kv_cache_dtype)), kv_cache_dtype)
-
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
@@ -75,3 +73,108 @@ class KVPools(Mapping[str, np.ndarray]):
         for pool in self._arrays.values():
             blocks = pool.reshape(self.num_blocks, self.block_size, pool.shape[1])
             blocks[dst] = blocks[src]
+
+
+# The share of the memory left free after the weights that a pool of the default size may take: the rest is for
+# activations, the tokenizer and whatever else runs on the machine. A pool costs only the pages written (its zero
+# pages are mapped on first write), so the share bounds what a full pool may grow to, not what loading takes.
+KV_MEMORY_SHARE = 0.5
+GIB = 1 << 30
+
+
+class PoolSizeError(ValueError):
+    """The KV pool cannot hold one sequence of max_model_len: raised when the engine starts, before any request."""
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """What sizes the pool: an explicit setting wins (num_blocks, else kv_cache_bytes); without one the pool holds
+    every sequence the scheduler may run at full length, capped to KV_MEMORY_SHARE of the memory left free after the
+    weights (vLLM-CPU sizes its pool from the machine's memory the same way unless VLLM_CPU_KVCACHE_SPACE is set)."""
+
+    bytes_per_block: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    weights_bytes: int = 0  # still to be loaded: what the free memory loses before the pool may have it
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def min_blocks(self) -> int:
+        """One sequence of max_model_len, plus the null block."""
+        return self.blocks_per_sequence + 1
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def free_memory_bytes() -> int:
+    """Memory this process may still take: the kernel's MemAvailable, capped by the cgroup's limit where one is set
+    (a container's memory.max is often far below the machine's)."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            free = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def pool_blocks(request: PoolRequest, free_bytes: int | None = None) -> int:
+    """The pool's size in blocks; PoolSizeError, naming the setting, the figure needed and the fix, when it cannot
+    hold one max_model_len sequence or does not fit the memory left after the weights. `free_bytes`: default
+    free_memory_bytes()."""
+    r, need = request, request.min_blocks
+    need_bytes = need * r.bytes_per_block
+    free = (free_memory_bytes() if free_bytes is None else free_bytes) - r.weights_bytes
+    left = f"{_mib(max(free, 0))} is left free after the weights ({_mib(r.weights_bytes)})"
+
+    def lower(blocks: int) -> str:
+        return (f"or lower max_model_len (scheduler.max_model_len) from {r.max_model_len} to at most "
+                f"{max(0, blocks - 1) * r.block_size} tokens")
+
+    if r.num_blocks is not None or r.kv_cache_bytes is not None:
+        if r.num_blocks is not None:
+            blocks, setting, unit = r.num_blocks, f"num_blocks = {r.num_blocks} (kv_cache.num_blocks, --num-blocks)", 1
+        else:
+            blocks = r.kv_cache_bytes // r.bytes_per_block
+            setting = f"kv_cache_bytes = {r.kv_cache_bytes} (kv_cache.kv_cache_bytes, --kv-cache-bytes)"
+            unit = r.bytes_per_block
+        name = setting.split(" = ")[0]
+        if blocks < need:
+            raise PoolSizeError(
+                f"{setting} holds {blocks} blocks of {r.block_size} tokens ({r.bytes_per_block} bytes each), but "
+                f"max_model_len {r.max_model_len} needs {need} with the null block ({_mib(need_bytes)}): set {name} "
+                f"to at least {need * unit}, " + lower(blocks))
+        if blocks * r.bytes_per_block > free:
+            raise PoolSizeError(f"{setting} asks for {_mib(blocks * r.bytes_per_block)} of KV pool, but {left}: "
+                                f"lower {name} (at least {need * unit} for max_model_len {r.max_model_len}), or "
+                                f"free memory")
+        return blocks
+    wanted = r.max_num_seqs * r.blocks_per_sequence + 1
+    blocks = min(wanted, int(KV_MEMORY_SHARE * max(free, 0)) // r.bytes_per_block)
+    if blocks >= need:
+        return blocks
+    if need_bytes <= free:  # past the share, but one full sequence still fits: serve it rather than refuse
+        return need
+    raise PoolSizeError(
+        f"the KV pool's default size follows the free memory: {left}, but max_model_len {r.max_model_len} needs "
+        f"{need} blocks of {r.bytes_per_block} bytes ({_mib(need_bytes)}); free memory, use a smaller kv_cache.dtype "
+        f"the artifact has (--kv-cache-dtype), " + lower(max(free, 0) // r.bytes_per_block))
+
+
+def weights_bytes(artifact: Path) -> int:
+    """The artifact's weight files: what loading maps (and prepacking may copy)."""
+    return sum(p.stat().st_size for p in (Path(artifact) / "graphs").glob("*.bin"))

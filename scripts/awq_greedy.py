@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    engine = LLMEngine(args.artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    engine = LLMEngine(args.artifact, EngineConfig(num_blocks=64, max_model_len=1008, max_num_batched_tokens=64))
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=5)
     requests = [engine.add_request(p, params).request_id for p in prompts]
     done = {}

@@ -68,21 +68,44 @@ def test_generate_refuses_a_non_artifact(tmp_path: Path) -> None:
     assert "not a pagedgraph artifact" in result.stderr and "pagedgraph export" in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       mode: str) -> None:
-    """With "on" the ops must be active: scripts/test.sh fetches the ONNX Runtime header they are built with."""
-    engines: list[LLMEngine] = []
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[LLMEngine]:
+    """The engines `pagedgraph generate` builds, in order."""
+    built: list[LLMEngine] = []
 
     class Recorded(LLM):
         def __init__(self, artifact: str | Path, **config: object) -> None:
             super().__init__(artifact, **config)
-            engines.append(self.engine)
+            built.append(self.engine)
 
     monkeypatch.setattr("pagedgraph.runtime.engine.LLM", Recorded)
+    return built
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, engines: list[LLMEngine],
+                                                       mode: str) -> None:
+    """With "on" the ops must be active: scripts/test.sh fetches the ONNX Runtime header they are built with."""
     assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
                  "--custom-ops", mode]) == 0
     assert engines[0].executor.custom_ops is (mode == "on")
+
+
+def test_generate_pool_flags_size_the_pool_and_a_too_small_one_stops_before_any_request(
+        tiny_artifact: Path, engines: list[LLMEngine], capsys: pytest.CaptureFixture[str]) -> None:
+    per_block = LLMEngine(tiny_artifact).pools.bytes_per_block
+    assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
+                 "--kv-cache-bytes", f"{12 * per_block / 2**10}KiB", "--max-model-len", "64"]) == 0
+    assert engines[0].pools.num_blocks == 12 and engines[0].max_model_len == 64
+    capsys.readouterr()
+    # The tiny artifact's max_model_len 128 needs 8 blocks of 16 plus the null block.
+    assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--num-blocks", "5"]) == 2
+    error = capsys.readouterr().err
+    assert "num_blocks = 5 (kv_cache.num_blocks, --num-blocks)" in error and "at least 9" in error
+    assert "to at most 64 tokens" in error and len(engines) == 1  # refused before the LLM existed
+    with pytest.raises(SystemExit):
+        main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--kv-cache-bytes", "4 gigs"])
+    assert "give bytes (1073741824) or a size with KiB, MiB, GiB, TiB (4GiB)" in capsys.readouterr().err
 
 
 def test_bench_custom_ops_flag_reaches_the_options(monkeypatch: pytest.MonkeyPatch) -> None:

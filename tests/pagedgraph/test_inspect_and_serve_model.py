@@ -87,7 +87,7 @@ def test_serve_model_on_the_bundled_gguf(tmp_path: Path, served: list[Served]) -
 
     gguf = default_model_path()
     start = time.monotonic()
-    served.append(Served(["--model", str(gguf), "--num-blocks", "64"], tmp_path / "cache"))
+    served.append(Served(["--model", str(gguf), "--num-blocks", "129"], tmp_path / "cache"))
     first = time.monotonic() - start
     server = served[-1]
     assert "exporting" in server.log and str(tmp_path / "cache") in server.log
@@ -104,7 +104,7 @@ def test_serve_model_on_the_bundled_gguf(tmp_path: Path, served: list[Served]) -
     served.clear()
     # The second start finds the export in the cache.
     start = time.monotonic()
-    served.append(Served(["--model", str(gguf), "--num-blocks", "64", "--served-model-name", "smol"],
+    served.append(Served(["--model", str(gguf), "--num-blocks", "129", "--served-model-name", "smol"],
                          tmp_path / "cache"))
     assert "cached export" in served[-1].log and time.monotonic() - start < first
     assert [m["id"] for m in httpx.get(f"{served[-1].url}/v1/models").json()["data"]] == ["smol"]

@@ -33,7 +33,7 @@ def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:
 
 
 def test_pools_written_in_place(tiny_artifact: Path) -> None:
-    engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=8))
+    engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=9))
     seq = engine.add_request([3, 1, 4, 1, 5], SamplingParams(max_tokens=2, temperature=0))
     engine.step()
     block, size = seq.block_table[0], engine.manifest.block_size

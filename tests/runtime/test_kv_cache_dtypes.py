@@ -203,7 +203,8 @@ def test_prefix_hits_forks_and_preemption_give_the_cold_tokens(kv_artifact, dtyp
     forked, _ = _generate(artifact, dtype, prompts, n=3, num_blocks=64)
     assert [[c.token_ids for c in o.outputs] for o in forked] == [[w] * 3 for w in want]
 
-    squeezed, engine = _generate(artifact, dtype, prompts, num_blocks=6)  # 3 x 4 blocks wanted, 5 usable
+    squeezed, engine = _generate(artifact, dtype, prompts, num_blocks=6,
+                                 max_model_len=80)  # 3 x 4 blocks wanted, 5 usable
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in squeezed] == want
 

@@ -13,7 +13,7 @@ from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
-LLMEngine(sys.argv[1], EngineConfig(num_blocks=64))  # 64 blocks: the zeroed pools add ~23 MB at most
+LLMEngine(sys.argv[1], EngineConfig(num_blocks=64, max_model_len=1008))  # 64 blocks: the zeroed pools add ~23 MB at most
 print(rss() - before)
 """
 
@@ -72,7 +72,7 @@ def test_long_prefill_transients_stay_small(smollm2_artifact: Path) -> None:
 MAPPED_PROBE = """
 import sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
-engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=64))  # kept: its session holds the mapping
+engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=64, max_model_len=1008))  # kept: its session holds the mapping
 resident, in_weights = 0, False
 for line in open("/proc/self/smaps"):
     fields = line.split()
@@ -116,7 +116,7 @@ def test_a_long_prefill_step_gives_its_activations_back(smollm2_artifact: Path) 
 RANDOM_PROBE = """
 import sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
-engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=64))  # kept: its session holds the mappings
+engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=64, max_model_len=1008))  # kept: its session holds the mappings
 mappings, advised, in_weights = 0, 0, False
 for line in open("/proc/self/smaps"):
     fields = line.split()

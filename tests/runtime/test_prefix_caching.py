@@ -42,6 +42,11 @@ def demand_blocks(outputs: list[RequestOutput], n: int = 1, block_size: int = 16
     return n * sum(-(-(len(o.prompt_token_ids) + MAX_TOKENS) // block_size) for o in outputs)
 
 
+def squeezed_pool(blocks: int, block_size: int = 16) -> dict[str, int]:
+    """A pool of `blocks`, with the max_model_len it holds (the engine refuses a pool too small for the artifact's)."""
+    return {"num_blocks": blocks, "max_model_len": (blocks - 1) * block_size}
+
+
 @pytest.fixture(scope="module")
 def baseline(smollm2_artifact: Path, requests: list[dict[str, Any]]) -> list[RequestOutput]:
     outputs, llm = run(smollm2_artifact, requests, enable_prefix_caching=False, num_blocks=512)
@@ -80,7 +85,7 @@ def test_chunked_prefill_gives_the_same_tokens(
 
 def test_a_pool_of_a_quarter_of_the_demand_preempts_and_gives_the_same_tokens(
         smollm2_artifact: Path, requests: list[dict[str, Any]], baseline: list[RequestOutput]) -> None:
-    outputs, llm = run(smollm2_artifact, requests, num_blocks=demand_blocks(baseline) // 4 + 1)
+    outputs, llm = run(smollm2_artifact, requests, **squeezed_pool(demand_blocks(baseline) // 4 + 1))
     assert tokens(outputs) == tokens(baseline)
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -90,8 +95,10 @@ def test_cli_reproduces_the_preemption_run_with_caching_off(
         capsys: pytest.CaptureFixture[str]) -> None:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({**r, "ignore_eos": True}) + "\n" for r in requests))
+    pool = squeezed_pool(demand_blocks(baseline) // 4 + 1)
     assert main(["generate", "--artifact", str(smollm2_artifact), "--input", str(src), "--output", str(out),
-                 "--num-blocks", str(demand_blocks(baseline) // 4 + 1), "--no-prefix-caching", "--threads", "2"]) == 0
+                 "--num-blocks", str(pool["num_blocks"]), "--max-model-len", str(pool["max_model_len"]),
+                 "--no-prefix-caching", "--threads", "2"]) == 0
     got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert got == tokens(baseline)
 
@@ -109,7 +116,8 @@ def test_sampled_forks_are_independent_and_reproducible_under_preemption(
         smollm2_artifact: Path, cached_llm: LLM, requests: list[dict[str, Any]], baseline: list[RequestOutput]) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True, n=4)
     free = generate(cached_llm, requests[:2], params)
-    squeezed, llm = run(smollm2_artifact, requests[:2], params, num_blocks=demand_blocks(baseline[:2], n=4) // 4 + 1)
+    squeezed, llm = run(smollm2_artifact, requests[:2], params,
+                        **squeezed_pool(demand_blocks(baseline[:2], n=4) // 4 + 1))
     assert llm.engine.scheduler.num_preemptions > 0
     completions = [[c.token_ids for c in o.outputs] for o in free]
     assert [[c.token_ids for c in o.outputs] for o in squeezed] == completions

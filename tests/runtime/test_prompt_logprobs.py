@@ -86,8 +86,8 @@ def test_prompt_logprobs_equal_the_prefix_runs(tiny_artifact: Path, reference: l
 
 def test_prompt_logprobs_survive_preemption_and_skip_the_prefix_cache(tiny_artifact: Path,
                                                                       reference: list[np.ndarray]) -> None:
-    # 5 usable blocks of 16: the long decoders outgrow the pool and the latest arrival is preempted.
-    engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=6))
+    # 5 usable blocks of 16 (max_model_len 80 fits them): the long decoders outgrow the pool and the latest arrival is preempted.
+    engine = LLMEngine(tiny_artifact, EngineConfig(num_blocks=6, max_model_len=80))
     engine.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished():
         engine.step()  # PROMPT's blocks are now in the prefix cache

@@ -161,7 +161,7 @@ def engine(smollm2_artifact):  # type: ignore[no-untyped-def]
     from pagedgraph.runtime.engine import EngineConfig, LLMEngine
     from tests.mindspore_support import RecordingExecutor
 
-    engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, threads=2))
+    engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, max_model_len=1008, threads=2))
     engine.executor = RecordingExecutor(engine.executor)
     return engine
 

@@ -148,7 +148,7 @@ def test_every_fork_of_a_sampled_request_follows_the_schema(llm: LLM) -> None:
 
 def test_chunking_preemption_and_cache_hits_keep_the_constrained_output(smollm2_artifact: Path,
                                                                          solo: dict[str, RequestOutput]) -> None:
-    small = LLM(smollm2_artifact, threads=2, num_blocks=10, max_num_batched_tokens=16)
+    small = LLM(smollm2_artifact, threads=2, num_blocks=10, max_model_len=144, max_num_batched_tokens=16)
     outputs = small.generate([ASK] * 2, constrained())
     assert [o.token_ids for o in outputs] == [solo["person"].token_ids] * 2
     assert len(outputs[0].prompt_token_ids) > 16  # so the prompt went in several chunks
