@@ -4,15 +4,15 @@ by graphs/mindir/index.json (written by exporter/mindspore, read by runtime/exec
 MindSpore graphs are static, so the pools' leading dimension is exported at a nominal size and
 bound to the runtime's pool size when a graph is loaded. The weights file uses MindSpore's
 external-data layout (a 64-byte header whose first byte says little-endian, then 64-byte aligned
-tensors): Ascend graphs point their Parameters into it; CPU graphs take the weights as inputs,
-fed from one in-memory copy shared by every gear.
+tensors). Graphs of both targets take the weights as inputs after the contract inputs and pools (the
+order is `weight_inputs`), so one copy, mapped or on the device, is bound to every gear.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -37,12 +37,14 @@ class WeightEntry:
 class MindirIndex:
     target: str
     dtype: str
-    inputs: tuple[str, ...]  # graph arguments in call order: contract inputs and pools (cpu: then `weights`)
-    weights: dict[str, WeightEntry]  # in WEIGHTS; cpu graphs take them as trailing inputs in this order
+    inputs: tuple[str, ...]  # the first graph arguments of every gear, in call order: contract inputs and pools
+    weights: dict[str, WeightEntry]  # every weight in WEIGHTS, each once
     pool_shape: tuple[int, ...]  # one pool as exported; dimension 0 (slots or blocks) is bound at load
     graphs: dict[str, dict[str, str]]  # family -> gear_key(gear) -> graph file, relative to the artifact
     # KV-cache dtype -> graphs like `graphs` whose pools hold it (Ascend int8); `graphs` hold the `dtype` cache.
     kv_cache_graphs: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    # KV-cache dtype -> the weights its graphs (every family) take after `inputs`, in call order
+    weight_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -58,7 +60,13 @@ class MindirIndex:
                    weights={k: WeightEntry(v["offset"], tuple(v["shape"]), v.get("dtype"))
                             for k, v in data["weights"].items()},
                    pool_shape=tuple(data["pool_shape"]), graphs=data["graphs"],
-                   kv_cache_graphs=data.get("kv_cache_graphs", {}))
+                   kv_cache_graphs=data.get("kv_cache_graphs", {}),
+                   weight_inputs={k: tuple(v) for k, v in data.get("weight_inputs", {}).items()}
+                   or {data["dtype"]: tuple(data["weights"])})  # before weight_inputs: one set, in this order
+
+    def arguments(self, kv_cache_dtype: str | None = None) -> tuple[str, ...]:
+        """Every graph argument of the `kv_cache_dtype` graphs (None: the index's dtype), in call order."""
+        return self.inputs + self.weight_inputs[kv_cache_dtype or self.dtype]
 
     def graph(self, family: str, gear: Gear, kv_cache_dtype: str | None = None) -> str:
         """The graph of `family` and `gear` whose pools hold `kv_cache_dtype` (None: the index's dtype)."""
@@ -97,14 +105,17 @@ def gear_key(gear: Gear) -> str:
     return f"T{gear.tokens}_B{gear.seqs}_M{gear.blocks}"
 
 
-def write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, WeightEntry]:
-    """Write `weights` in MindSpore's external-data layout; returns where each one lies."""
+def write_weights(path: Path, weights: Iterable[tuple[str, np.ndarray]], append: bool = False
+                  ) -> dict[str, WeightEntry]:
+    """Write `weights` in MindSpore's external-data layout, one array at a time as the iterable yields it
+    (so a lazy source keeps one tensor in memory); `append` adds to a file this wrote. Returns where each lies."""
     entries = {}
-    with open(path, "wb") as f:
-        f.write((1).to_bytes(1, "little") + bytes(HEADER_BYTES - 1))
-        for name, array in weights.items():
+    with open(path, "ab" if append else "wb") as f:
+        if not append:
+            f.write((1).to_bytes(1, "little") + bytes(HEADER_BYTES - 1))
+        for name, array in weights:
             entries[name] = WeightEntry(f.tell(), tuple(array.shape), array.dtype.name)
-            f.write(np.ascontiguousarray(array).tobytes())
+            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
             f.write(bytes(-f.tell() % ALIGN))
     return entries
 

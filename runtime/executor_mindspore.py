@@ -38,8 +38,7 @@ class MindSporeExecutor:
         self.pools = pools
         tensor = self.ms.Tensor
         self._pool_tensors = {name: tensor.from_numpy(pool) for name, pool in pools.items()}
-        weights = self.index.read_weights(self.artifact)
-        self._weights = tuple(tensor.from_numpy(weights[name]) for name in self.index.weights)
+        self._weights = {name: tensor.from_numpy(w) for name, w in self.index.read_weights(self.artifact).items()}
         self._families = {gear: family for family, spec in manifest.families.items() for gear in spec.gears}
         self._cells: dict[Gear, tuple[Any, tuple[Any, ...]]] = {}
         self._scratch = tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-")
@@ -71,7 +70,8 @@ class MindSporeExecutor:
             cell = self.ms.nn.GraphCell(self.ms.load(str(self._bind(graph))))
             tensor = self.ms.Tensor
             args = tuple(tensor.from_numpy(inputs[name]) if name in inputs else self._pool_tensors[name]
-                         for name in self.index.inputs) + self._weights
+                         for name in self.index.inputs) + tuple(self._weights[name]
+                                                                for name in self.index.weight_inputs[self.index.dtype])
             cached = self._cells[gear] = (cell, args)
         return cached
 

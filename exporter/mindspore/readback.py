@@ -1,4 +1,5 @@
-"""Read an exported MINDIR back (mindspore/train/mind_ir_pb2): which primitives, with which attributes.
+"""Read an exported MINDIR back (mindspore/train/mind_ir_pb2): which primitives, with which attributes, and
+which arguments and data the graph holds.
 
 MindSpore stores a primitive's constructor arguments (PagedAttention's head_num, scale_value,
 kv_head_num) as constant inputs after its tensor inputs, not as attributes; they are named here
@@ -26,6 +27,37 @@ class OpRecord:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> shape, for graph inputs
     dtypes: dict[str, str] = field(default_factory=dict)  # tensor input name -> dtype ("float16", "int8", ...)
     output_dtype: str | None = None  # the node's (first) output dtype
+
+
+@dataclass(frozen=True)
+class Argument:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """What a loaded GraphCell would own: its arguments are bound by the caller (one copy for every graph
+    that takes them), its Parameters are private to it, and `data_bytes` is all the tensor data the file
+    holds itself (Parameters, constants)."""
+
+    arguments: list[Argument]  # graph inputs, in call order
+    parameters: list[str]
+    data_bytes: int
+
+
+def read_graph(path: Path) -> GraphRecord:
+    from mindspore.train.mind_ir_pb2 import ModelProto
+
+    model = ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    graph = model.graph
+    arguments = [Argument(i.name.split(":")[-1], tuple(i.tensor[0].dims), _dtype(i.tensor[0].data_type))
+                 for i in graph.input]
+    tensors = [*graph.parameter, *(t for n in graph.node for a in n.attribute for t in a.tensors)]
+    return GraphRecord(arguments, [p.name.split(":")[-1] for p in graph.parameter],
+                       sum(len(t.raw_data) for t in tensors))
 
 
 def _dtype(data_type: int) -> str:

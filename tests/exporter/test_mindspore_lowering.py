@@ -13,10 +13,11 @@ from tests.mindspore_support import RecordingExecutor, export_artifact, require_
 require_mindspore()
 
 from pagedgraph.artifact.manifest import ArtifactError, Manifest  # noqa: E402
-from pagedgraph.artifact.mindir import INDEX, WEIGHTS, MindirIndex, gear_key  # noqa: E402
+from pagedgraph.artifact.mindir import WEIGHTS, MindirIndex, gear_key, numpy_dtype  # noqa: E402
 from pagedgraph.exporter.checkpoint import read_checkpoint  # noqa: E402
 from pagedgraph.exporter.mindspore.builder import MindSporeTarget  # noqa: E402
-from pagedgraph.exporter.mindspore.readback import read_ops  # noqa: E402
+from pagedgraph.exporter.mindspore.builder import weight_attribute as W  # noqa: E402
+from pagedgraph.exporter.mindspore.readback import read_graph, read_ops  # noqa: E402
 from pagedgraph.graphs import contract as c  # noqa: E402
 from pagedgraph.graphs import llama, ops  # noqa: E402
 from pagedgraph.graphs.contract import Gear  # noqa: E402
@@ -181,7 +182,7 @@ def test_ascend_mindir_holds_atb_primitives_with_their_attributes(ascend_artifac
         assert kinds["AddRmsNorm"][0].arguments["epsilon"] == pytest.approx(1e-5)
         assert kinds["RotaryPositionEmbedding"][0].arguments["mode"] == 0  # rotate-half
         assert all(r.arguments["transpose_b"] for r in kinds["MatMul"])  # ATB's [out, in] weights
-        assert kinds["MatMul"][0].arguments["mat2"] == "layers.0.qkv"  # a Parameter, not a graph input
+        assert kinds["MatMul"][0].arguments["mat2"] == W("layers.0.qkv")  # a graph input, not a Parameter
 
 
 # model.dtype -> (export.formats, export.kv_cache_dtypes, the Ascend MINDIR's compute dtype)
@@ -247,13 +248,13 @@ def test_ascend_mindir_holds_a_graph_set_per_cache_dtype_with_atb_int8_cache(asc
             assert len(kinds["QuantV2"]) == 2 * model.num_layers
             for quant, kv in zip(kinds["QuantV2"][:2], "kv"):
                 assert (quant.arguments["scale"], quant.arguments["offset"]) == (
-                    f"layers.0.{kv}_cache_inv_scale", f"layers.0.{kv}_cache_offset")
+                    W(f"layers.0.{kv}_cache_inv_scale"), W(f"layers.0.{kv}_cache_offset"))
                 assert quant.dtypes == {"x": compute, "scale": compute, "offset": compute}
                 assert quant.output_dtype == "int8" and quant.shapes["scale"] == (model.kv_size,)
             assert args["antiquant_scale"] == "<Stack>"  # K's and V's rows stacked: ATB's [2, kv_heads * head_dim]
             # antiquant computes scale * (q + offset): the offset it takes is minus the contract's
             negated = [r.arguments["input"] for r in kinds["Neg"][:2]]
-            assert negated == ["layers.0.k_cache_offset", "layers.0.v_cache_offset"]
+            assert negated == [W("layers.0.k_cache_offset"), W("layers.0.v_cache_offset")]
             assert (attention.dtypes["antiquant_scale"], attention.dtypes["antiquant_offset"]) == ANTIQUANT[compute]
 
 
@@ -333,8 +334,8 @@ def test_ascend_weight_only_lowers_to_weight_quant_batch_matmul(checkpoint: Path
             assert args["antiquant_group_size"] == 32 and args["antiquant_offset"] == "<Add>"
             assert r.dtypes == {"x": dtype, "weight": "qint4x2", "antiquant_scale": dtype, "antiquant_offset": dtype}
             assert r.shapes["antiquant_scale"] == (n, packed_k * 2 // 32)
-    assert head.arguments["weight"] == "embed.codes" and head.dtypes["weight"] == "int8"  # the tied LM head: int8
-    (embed,) = [r for r in records if r.op_type == "Gather" and r.arguments["input_params"] == "embed.codes"]
+    assert head.arguments["weight"] == W("embed.codes") and head.dtypes["weight"] == "int8"  # the tied LM head: int8
+    (embed,) = [r for r in records if r.op_type == "Gather" and r.arguments["input_params"] == W("embed.codes")]
     assert embed.dtypes["input_params"] == "int8"
     weights = index.read_weights(art)
     expected = quantize_weights(read_checkpoint(str(checkpoint)).tensors, quantization, 32)
@@ -366,12 +367,12 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
           f"{static[0].output_dtype}\nWeightQuantBatchMatmul x{len(weight_only)}: {weight_only[0].arguments}")
     assert len(static) == 3 * model.num_layers and len(weight_only) == model.num_layers + 1
     assert not [r for r in records if r.op_type == "MatMul"]
-    assert [r.arguments["x2"] for r in static[:3]] == ["layers.0.qkv.weight", "layers.0.o_proj.weight",
-                                                      "layers.0.gate_up.weight"]
+    assert [r.arguments["x2"] for r in static[:3]] == [W("layers.0.qkv.weight"), W("layers.0.o_proj.weight"),
+                                                      W("layers.0.gate_up.weight")]
     for r in static:
         assert (r.arguments["transpose_x2"], r.arguments["dtype"], r.output_dtype) == (True, 42, "float16")
         assert r.dtypes == {"x1": "int8", "x2": "int8", "scale": "int64", "bias": "int32"}
-    assert weight_only[0].arguments["weight"] == "layers.0.down.codes"
+    assert weight_only[0].arguments["weight"] == W("layers.0.down.codes")
     weights = index.read_weights(art)
     assert weights["layers.0.qkv.input_scale"].dtype == np.float16
     ck = read_checkpoint(str(checkpoint))
@@ -386,24 +387,41 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
     assert float(weights["layers.0.qkv.input_offset"][0]) == np.rint(-128 - low / scale)
 
 
-def test_ascend_weights_are_parameters_stored_once(ascend_artifact: Path, checkpoint: Path) -> None:
-    from mindspore.train.mind_ir_pb2 import ModelProto
+def _assert_one_copy_of_the_weights(art: Path, checkpoint: Path) -> None:
+    """Every gear of every cache dtype holds no weight data and no Parameter (a loaded GraphCell would keep a
+    private copy of each): it takes the weights as graph inputs after the contract inputs and pools, each with
+    the shape and dtype of its one entry in the weights file, which holds every weight once, as exported."""
+    index = MindirIndex.load(art)
+    data = (art / WEIGHTS).read_bytes()
+    graph_sets = {index.dtype: index.graphs, **index.kv_cache_graphs}
+    for cache, graph_set in graph_sets.items():
+        expected = [*index.inputs, *map(W, index.weight_inputs[cache])]
+        for rel in (rel for graphs in graph_set.values() for rel in graphs.values()):
+            record = read_graph(art / rel)
+            assert record.parameters == [] and record.data_bytes < 4096, rel
+            assert [a.name for a in record.arguments] == expected, rel
+            for name, argument in zip(index.weight_inputs[cache], record.arguments[len(index.inputs):]):
+                entry = index.weights[name]
+                assert (argument.shape, argument.dtype) == (entry.shape, entry.dtype or index.dtype), name
+    assert {w for order in index.weight_inputs.values() for w in order} == set(index.weights)
+    ends = 64  # after the header, each entry where the previous one ended, 64-byte aligned: nothing stored twice
+    for entry in sorted(index.weights.values(), key=lambda e: e.offset):
+        assert entry.offset == ends
+        ends += -(-int(np.prod(entry.shape)) * numpy_dtype(entry.dtype or index.dtype).itemsize // 64) * 64
+    assert ends == len(data)
+    stored = index.read_weights(art)
+    ck = read_checkpoint(str(checkpoint))
+    for name, w in llama.graph_weights(ck.config, ck.tensors, MAX_LEN).items():
+        np.testing.assert_array_equal(stored[name], w.astype(stored[name].dtype), err_msg=name)
 
-    index = MindirIndex.load(ascend_artifact)
-    data = (ascend_artifact / WEIGHTS).read_bytes()
-    weights = llama.graph_weights(read_checkpoint(str(checkpoint)).config, read_checkpoint(str(checkpoint)).tensors,
-                                  MAX_LEN)
-    sizes = [p.stat().st_size for p in (ascend_artifact / INDEX).parent.glob("*.mindir")]
-    assert len(sizes) == 2 and max(sizes) < len(data) / 2, "graphs must not carry their own weight copies"
-    for graphs in index.graphs.values():
-        model = ModelProto()
-        model.ParseFromString((ascend_artifact / next(iter(graphs.values()))).read_bytes())
-        assert {p.name.split(":")[-1] for p in model.graph.parameter} == set(index.weights)
-        for p in model.graph.parameter:
-            name, ext = p.name.split(":")[-1], p.external_data
-            assert not p.raw_data and ext.location == "weights.data"
-            stored = np.frombuffer(data[ext.offset:ext.offset + ext.length], np.float16).reshape(p.dims)
-            np.testing.assert_array_equal(stored, weights[name].astype(np.float16))
+
+def test_cpu_ladder_references_one_copy_of_the_weights(artifact: Path, checkpoint: Path) -> None:
+    _assert_one_copy_of_the_weights(artifact, checkpoint)
+
+
+def test_ascend_ladder_references_one_copy_of_the_weights(ascend_caches: tuple[str, Path], checkpoint: Path) -> None:
+    """Both cache dtypes' graph sets (the int8 one takes the calibrated cache parameters besides)."""
+    _assert_one_copy_of_the_weights(ascend_caches[1], checkpoint)
 
 
 def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) -> None:
