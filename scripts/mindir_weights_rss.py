@@ -2,7 +2,7 @@
 bound once from one memory map to every gear) against the same graphs with the weights turned into Parameters
 (the Ascend form before, which MindSpore copies into every loaded GraphCell). Each form runs in a child process
 of its own, through runtime/executor_mindspore.py, loading and running the gears one after another; the RSS after
-each gear and the ratio are printed (run it under the CPU lock):
+each gear and the ratio are printed:
 
     flock /tmp/pg-cpu.lock python scripts/mindir_weights_rss.py --artifact ART --gears 6 --json docs/bench/X.json
 
