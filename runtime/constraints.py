@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
+from .request_limits import MAX_SCHEMA_CHARS
+
 ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "lark"]
 # vLLM's StructuredOutputsParams: exactly one of these; the options below it are also accepted
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -36,10 +38,17 @@ class Constraint:
     strict: bool = True
     whitespace_pattern: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.kind != "lark" and len(self.spec) > MAX_SCHEMA_CHARS:  # "lark": the server's own tool grammar
+            raise ConstraintError(self.field, f"{len(self.spec):,} characters as JSON text; at most "
+                                              f"{MAX_SCHEMA_CHARS:,} are accepted")
+
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool, field_name: str, strict: bool = True,
-                    whitespace_pattern: str | None = None) -> "Constraint":
-        return cls("json", json.dumps(schema), field_name, strict, whitespace_pattern)
+                    whitespace_pattern: str | None = None, closed: bool = False) -> "Constraint":
+        """`closed`: no property outside the schema (`closed_schema`), as OpenAI's strict mode means."""
+        return cls("json", json.dumps(closed_schema(schema) if closed else schema), field_name, strict,
+                   whitespace_pattern)
 
     @classmethod
     def choice(cls, options: Sequence[str], field_name: str) -> "Constraint":
@@ -69,7 +78,8 @@ class Constraint:
                     raise ConstraintError(where, f"the schema string is not JSON ({exc})") from None
             if not isinstance(value, (dict, bool)):
                 raise ConstraintError(where, f"must be a JSON schema (an object)")
-            return cls.json_schema(value, where, whitespace_pattern=pattern)
+            return cls.json_schema(value, where, whitespace_pattern=pattern,
+                                   closed=fields_.get("disable_additional_properties") is True)
         if kind == "json_object":
             if value is not True:
                 raise ConstraintError(where, f"must be true")
@@ -81,3 +91,43 @@ class Constraint:
         if not isinstance(value, str) or not value:
             raise ConstraintError(where, f"must be a non-empty string")
         return cls(kind, value, where)  # type: ignore[arg-type]
+
+
+# Keywords whose values are subschemas: by name (a mapping of them), as a list, or one.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+                "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def closed_schema(schema: Any, close: bool = True) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say otherwise.
+
+    OpenAI's strict mode (and xgrammar's strict_mode, vLLM's disable_additional_properties) means no property
+    outside the schema; JSON Schema's own default allows any. Applied throughout: nested properties, array
+    items, $defs, the alternatives of anyOf / oneOf. An object schema is one with `properties` or type "object";
+    one that sets `additionalProperties` or `unevaluatedProperties` keeps it. JSON Schema's additionalProperties
+    sees only its own object's `properties`, so an object composed with allOf / anyOf / oneOf beside them is
+    left open (closed, it would refuse the composed keys), and so are allOf's parts and the alternatives that
+    add to such properties; alternatives that stand alone are closed.
+    """
+    if isinstance(schema, list):  # items as a list (a tuple schema)
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: closed_schema(s) for name, s in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            whole = key == "prefixItems" or (key != "allOf" and "properties" not in schema)
+            value = [closed_schema(s, close=whole) for s in value]
+        elif key in _SCHEMA_ONES:
+            value = closed_schema(value)
+        out[key] = value
+    types = schema.get("type")
+    is_object = "properties" in schema or types == "object" or (isinstance(types, list) and "object" in types)
+    composed = any(k in schema for k in ("allOf", "anyOf", "oneOf"))
+    if close and is_object and not composed and not {"additionalProperties", "unevaluatedProperties"} & set(schema):
+        out["additionalProperties"] = False
+    return out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_pools import KVPools, PoolRequest, bytes_per_block, pool_blocks, weights_bytes
 from .packer import Packer
 from .logits_processors import Penalties
+from .progress import RequestProgress
 from .prompt_logprobs import PromptLogprobs, prompt_logprob_entries
 from .sampler import Sampler, top_logprobs
 from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
@@ -441,16 +441,16 @@ class LLM:
                 index[self.engine.add_request(self.engine.prompts.token_ids(prompt), p).request_id] = i
             except RequestError as exc:
                 results[i] = RequestOutput(f"rejected-{i}", [], [], "", "error", error=str(exc))
-        shown = -1
+        shown = RequestProgress(len(prompts)) if progress else None
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
                     results[index[out.request_id]] = out
-            if progress and len(results) != shown:
-                shown = len(results)
-                print(f"\r{shown}/{len(prompts)} requests done", end="", file=sys.stderr)
-        if progress:
-            print(file=sys.stderr)
+            if shown is not None:
+                shown.update(len(results))
+        if shown is not None:
+            shown.update(len(results))
+            shown.close()
         return [results[i] for i in range(len(prompts))]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .constraints import Constraint, ConstraintError
+from .request_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, too_many
 
 # OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
 LOGIT_BIAS_LIMIT = 100.0
@@ -65,6 +66,7 @@ class SamplingParams:
                                                                                    "structured_outputs"))
             except ConstraintError as exc:
                 raise RequestError(exc.field, exc.problem) from None
+        self._check_caps()
         checks = [
             ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              "must be an integer >= 1"),
@@ -99,6 +101,20 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise RequestError(name, f"{getattr(self, name)!r} {rule}")
+
+    def _check_caps(self) -> None:
+        """runtime/request_limits.py's caps, before any rule that quotes the value."""
+        counts = (("stop", len(self.stop), "stop strings", MAX_STOP),
+                  ("stop_token_ids", len(self.stop_token_ids), "stop token ids", MAX_STOP_TOKEN_IDS),
+                  ("logit_bias", len(self.logit_bias or ()), "entries", MAX_LOGIT_BIAS))
+        for name, count, what, cap in counts:
+            problem = too_many(count, what, cap)
+            if problem is not None:
+                raise RequestError(name, problem)
+        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise RequestError("stop", f"a stop string of {longest:,} characters; at most {MAX_STOP_CHARS} are "
+                                       "accepted")
 
     @property
     def greedy(self) -> bool:

@@ -193,10 +193,9 @@ class Frontend:
         await self._on_tokenizer(partial(self.loop.engine.structured.compiler.compile, params.structured_outputs),
                                  params.structured_outputs.field)
 
-    async def generate(self, request: Request, body: SamplingFields, ids: list[int], prompt_field: str, fmt: Format,
-                       prompt_text: str, tools: ToolRequest | None = None) -> Response:
+    async def generate(self, request: Request, body: SamplingFields, params: SamplingParams, ids: list[int],
+                       prompt_field: str, fmt: Format, prompt_text: str) -> Response:
         """Server limits, then the engine's own checks (`LLMEngine.add_request`, also `LLM`'s), then the answer."""
-        params = self._params(body, tools)
         await self._compile(params)
         self.check_admitting()
         if self.counters.in_flight >= self.limits.max_concurrent_requests:
@@ -334,6 +333,7 @@ class Frontend:
                 raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
                                     "(concurrent requests are batched together)", param="prompt")
             prompt = prompt[0]
+        params = self._params(body)  # the body's own rules and caps before any tokenizing
         ids = await self._on_tokenizer(partial(self.prompts.encode, prompt), "prompt") if isinstance(prompt, str) \
             else list(prompt)
         if body.echo and body.logprobs is not None and body.stream:
@@ -344,7 +344,7 @@ class Frontend:
                            param="prompt_logprobs")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
         fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo, body.prompt_logprobs is not None)
-        return await self.generate(request, body, ids, "prompt", fmt,
+        return await self.generate(request, body, params, ids, "prompt", fmt,
                                    prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -353,11 +353,12 @@ class Frontend:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_request(body, self.tokenizer)
+        params = self._params(body, tools)
         messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
         text, ids = await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
-        fmt = ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser) if tools.active else \
-            ChatFormat(self.model, self.tokenizer, body.num_logprobs)
-        return await self.generate(request, body, ids, "messages", fmt, text, tools)
+        fmt = (ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser, tools.parallel)
+               if tools.active else ChatFormat(self.model, self.tokenizer, body.num_logprobs))
+        return await self.generate(request, body, params, ids, "messages", fmt, text)
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""
@@ -429,9 +430,14 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         common, errors = locs[0], errors[:1]
     param = ".".join(common) or None
     value = errors[0].get("input")
-    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    shown = "" if isinstance(value, dict) else f" = {_shortened(repr(value))}"
     messages = dict.fromkeys("unknown field" if e["type"] == "extra_forbidden" else e["msg"] for e in errors)
     return _refuse(request, APIError(400, f"{param or 'body'}{shown}: {'; or '.join(messages)}", param=param))
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """A value quoted back in a refusal: its start, when it is long (a list of thousands of items)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

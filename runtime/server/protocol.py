@@ -10,11 +10,13 @@ place a body becomes SamplingParams.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..constraints import Constraint, ConstraintError
+from ..request_limits import MAX_SCHEMA_CHARS, MAX_TOOLS, too_many
 from ..sampling_params import RequestError, SamplingParams
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -83,8 +85,9 @@ class ResponseFormat(_Part):
         if self.type == "json_object":
             return Constraint("json_object", "", "response_format")
         if self.json_schema is not None:
+            strict = self.json_schema.strict
             return Constraint.json_schema(self.json_schema.schema_, "response_format.json_schema.schema",
-                                          strict=self.json_schema.strict is not False)
+                                          strict=strict is not False, closed=strict is True)
         return None
 
 
@@ -218,6 +221,14 @@ class FunctionDefinition(_Part):
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        size = len(json.dumps(schema)) if schema is not None else 0
+        if size > MAX_SCHEMA_CHARS:
+            raise ValueError(f"{size:,} characters as JSON text; at most {MAX_SCHEMA_CHARS:,} are accepted")
+        return schema
+
 
 class Tool(_Part):
     type: Literal["function"]
@@ -256,6 +267,9 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        problem = too_many(len(tools or ()), "tools", MAX_TOOLS)
+        if problem is not None:
+            raise ValueError(problem)
         names = [t.function.name for t in tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")

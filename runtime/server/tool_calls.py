@@ -9,8 +9,11 @@
   serves the streamed and the whole response, so streamed `delta.tool_calls` concatenate to the whole
   response's `message.tool_calls`.
 - **Enforced calls.** `tool_choice: "required"` or a named function becomes a grammar of the family's call
-  format with each function's `parameters` as the arguments' JSON schema, so even a small model returns
-  a parseable call with schema-valid arguments (`parallel_tool_calls: false`: exactly one call).
+  format with each function's `parameters` as the arguments' JSON schema, closed as OpenAI's strict mode
+  closes it (no key outside `parameters`, unless the function sets `strict: false`), so even a small model
+  returns a parseable call with schema-valid arguments. A forced call is one call, and generation ends when
+  it closes: given room for more, a small model repeats its call until `max_tokens` (parallel calls come
+  with `tool_choice: "auto"`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any, Protocol, Sequence
 import jinja2
 import jinja2.meta
 
-from ..constraints import Constraint, ConstraintError
+from ..constraints import Constraint, ConstraintError, closed_schema
 from .protocol import ChatCompletionRequest, SamplingFields
 from .responses import ChatFormat
 from ..structured_output import JSON_OPTIONS
@@ -60,8 +63,8 @@ class ToolParser(Protocol):
     def write(self, name: str, arguments: Any) -> str:
         """A call as the model would write it (for past calls in the conversation), markers included."""
 
-    def grammar(self, functions: Sequence[dict[str, Any]], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) of one call, or of calls one per line, to these functions."""
+    def grammar(self, functions: Sequence[dict[str, Any]]) -> str:
+        """A Lark grammar (llguidance's dialect) of one call to one of these functions."""
 
 
 class HermesParser:
@@ -90,17 +93,15 @@ class HermesParser:
     def write(self, name: str, arguments: Any) -> str:
         return f"{self.start}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{self.end}"
 
-    def grammar(self, functions: Sequence[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, functions: Sequence[dict[str, Any]]) -> str:
         rules = []
         for i, function in enumerate(functions):
-            schema = function.get("parameters") or {"type": "object", "properties": {}}
-            schema = {**schema, "x-guidance": JSON_OPTIONS}
+            schema = {**function["parameters"], "x-guidance": JSON_OPTIONS}
             head = json.dumps(f'{{"name": {json.dumps(function["name"])}, "arguments": ')
             rules.append(f'f{i}: {head} a{i} "}}"\na{i}: %json {json.dumps(schema)}')
         calls = " | ".join(f"f{i}" for i in range(len(functions)))
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        call = f'call: {json.dumps(self.start + chr(10))} ({calls}) {json.dumps(chr(10) + self.end)}'
-        return "\n".join([start, call, *rules]) + "\n"
+        call = f'start: {json.dumps(self.start + chr(10))} ({calls}) {json.dumps(chr(10) + self.end)}'
+        return "\n".join([call, *rules]) + "\n"
 
 
 PARSERS: dict[str, ToolParser] = {"hermes": HermesParser()}
@@ -124,7 +125,7 @@ class ToolRequest:
 
     tools: list[dict[str, Any]]  # OpenAI's [{"type": "function", "function": {...}}]
     choice: str | dict[str, Any]  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
-    parallel: bool
+    parallel: bool  # false: only the first call the model writes is answered
     parser: ToolParser
 
     @property
@@ -139,10 +140,14 @@ class ToolRequest:
         return functions
 
     def constraint(self) -> Constraint | None:
-        """The grammar that forces a call (`required`, a named function); None lets the model choose."""
+        """The grammar that forces a call (`required`, a named function); None lets the model choose.
+
+        The arguments follow `parameters` under OpenAI's strict rule, its default for a forced call; a function
+        with `strict: false` keeps JSON Schema's default (other keys allowed). One call, then the answer ends."""
         if not self.active or self.choice == "auto":
             return None
-        return Constraint("lark", self.parser.grammar(self.functions(), self.parallel), "tools")
+        functions = [{**f, "parameters": _arguments_schema(f)} for f in self.functions()]
+        return Constraint("lark", self.parser.grammar(functions), "tools")
 
     def render(self, messages: list[dict[str, Any]], takes_tools: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The messages and extra template variables for the chat template."""
@@ -187,6 +192,13 @@ def structured_output(body: SamplingFields, tools: ToolRequest | None) -> Constr
         raise ConstraintError("tool_choice", f"a {tools.choice if isinstance(tools.choice, str) else 'named'} tool "
                                              f"call cannot also follow {given.field.split('.')[0]}; drop one")
     return given or forced
+
+
+def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema a forced call's arguments follow: `parameters` (no arguments when left out), closed
+    unless the function says `strict: false`."""
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    return schema if function.get("strict") is False else closed_schema(schema)
 
 
 def _arguments(text: str) -> Any:
@@ -279,9 +291,11 @@ def _call_json(call: ParsedCall, index: int) -> dict[str, Any]:
 class ToolChatFormat(ChatFormat):
     """Chat responses with `message.tool_calls` / streamed `delta.tool_calls`, `finish_reason: "tool_calls"`."""
 
-    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, parser: ToolParser) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, parser: ToolParser,
+                 parallel: bool = True) -> None:
         super().__init__(model, tokenizer, top_logprobs)
         self.parser = parser
+        self.most = None if parallel else 1  # calls answered (parallel_tool_calls: false: the first only)
         self._streams: dict[int, CallSplitter] = {}
 
     def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
@@ -289,6 +303,7 @@ class ToolChatFormat(ChatFormat):
         splitter = CallSplitter(self.parser)
         content, calls = splitter.push(text)
         content += splitter.finish()
+        calls = calls[:self.most]
         body = super().choice(index, content, token_ids, logprobs, finish_reason)
         if calls:
             body["message"] = {"role": "assistant", "content": content or None,
@@ -304,6 +319,7 @@ class ToolChatFormat(ChatFormat):
         content, calls = splitter.push(text)
         if finish_reason is not None:
             content += splitter.finish()
+        calls = calls[:max(0, self.most - before)] if self.most is not None else calls
         body = super().delta(index, content, token_ids, logprobs, finish_reason)
         if calls:
             body["delta"]["tool_calls"] = [_call_json(c, before + i) for i, c in enumerate(calls)]

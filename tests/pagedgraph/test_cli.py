@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,20 @@ def test_generate_jsonl_in_order_with_one_bad_request(smollm2_artifact: Path, tm
     assert "max_model_len" in lines[2]["error"] and lines[2]["finish_reason"] == "error"
     assert len(lines[3]["token_ids"]) == 3
     assert "temperature" in lines[4]["error"]
+
+
+def test_generate_progress_on_a_pipe_is_whole_lines(tiny_artifact: Path, tmp_path: Path) -> None:
+    """Off a terminal no bar redraws its line: stderr (a file here) holds whole lines, the last a summary."""
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 4})
+                                                 for _ in range(3)))
+    with open(tmp_path / "err.txt", "w") as err:
+        result = subprocess.run([sys.executable, "-m", "pagedgraph.cli", "generate", "--artifact", str(tiny_artifact),
+                                 "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                                stdout=subprocess.PIPE, stderr=err, text=True, timeout=600)
+    stderr = (tmp_path / "err.txt").read_text()
+    assert result.returncode == 0, stderr
+    assert "\r" not in stderr and stderr.endswith("\n"), repr(stderr)
+    assert re.fullmatch(r"3/3 requests done in \d+\.\d s", stderr.splitlines()[-1]), repr(stderr)
 
 
 def test_generate_single_prompt_prints_completion(smollm2_artifact: Path) -> None:

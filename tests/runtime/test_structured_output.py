@@ -169,3 +169,29 @@ def test_the_jsonl_of_pagedgraph_generate_takes_vllms_fields(smollm2_artifact: P
     colour, digits, bad = (json.loads(line) for line in out.read_text().splitlines())
     assert colour["text"] in ("red", "green", "blue") and re.fullmatch("[0-9]{3}", digits["text"])
     assert bad["finish_reason"] == "error" and bad["error"].startswith("structured_outputs.regex: invalid regular")
+
+
+def test_a_closed_schema_allows_no_property_the_schema_leaves_out() -> None:
+    """Every object schema that says nothing gets additionalProperties false; what a schema says, it keeps."""
+    from pagedgraph.runtime.constraints import closed_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {"$defs": {"point": point}, "properties": {
+        "at": {"$ref": "#/$defs/point"}, "path": {"type": "array", "items": point},
+        "either": {"anyOf": [point, {"type": "string"}]}, "open": {**point, "additionalProperties": True},
+        "tagged": {"type": "object", "additionalProperties": point},
+        "both": {"type": "object", "allOf": [point, {"properties": {"y": {"type": "number"}}}]},
+        "maybe": {"type": ["object", "null"], "properties": {}}}}
+    shut = closed_schema(schema)
+    closed = {**point, "additionalProperties": False}
+    props = shut["properties"]
+    assert shut["additionalProperties"] is False and shut["$defs"]["point"] == closed
+    assert props["path"]["items"] == closed and props["either"]["anyOf"] == [closed, {"type": "string"}]
+    assert props["open"]["additionalProperties"] is True
+    assert props["tagged"]["additionalProperties"] == closed and props["maybe"]["additionalProperties"] is False
+    assert props["both"] == schema["properties"]["both"]  # composed: closed, it would refuse x and y
+    assert "additionalProperties" not in point and "additionalProperties" not in schema  # the input is not changed
+    jsonschema.validate({"at": {"x": 1}, "both": {"x": 1, "y": 2}, "either": {"x": 2}}, shut)
+    for extra in ({"at": {"x": 1, "z": 0}}, {"either": {"x": 1, "z": 0}}, {"path": [{"z": 0}]}, {"z": 0}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(extra, shut)
