@@ -17,6 +17,7 @@ from .artifact.settings import ConfigError, validate, with_overrides
 from .graphs.kv_cache import KV_CACHE_DTYPES
 from . import __version__
 from .texts import shipped_text
+from .runtime.deploy_config import ROUTER_POLICIES
 from .runtime.executors import CUSTOM_OPS
 from .runtime.sampling_params import DEFAULT_MAX_TOKENS
 
@@ -129,7 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
                  "kv_cache.num_blocks": args.num_blocks, "kv_cache.kv_cache_bytes": args.kv_cache_bytes,
                  "scheduler.max_model_len": args.max_model_len, "server.api_key": args.api_key,
-                 "executor.custom_ops": args.custom_ops, "kv_cache.dtype": args.kv_cache_dtype}
+                 "executor.custom_ops": args.custom_ops, "kv_cache.dtype": args.kv_cache_dtype,
+                 "fleet.data_parallel_size": args.data_parallel_size, "fleet.router.policy": args.router_policy}
     if args.config is not None:
         deployment, source = load_deployment(args.config, overrides), args.config
     elif artifact is None:
@@ -149,6 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
 
         export(load_yaml(ExportConfig, model.export_config), model.artifact,
                calibration_text=shipped_text("calibration"))
+    if deployment.fleet.active:
+        from .runtime.fleet.supervisor import run_fleet
+
+        return run_fleet(deployment)
     serve(deployment, source)
     return 0
 
@@ -207,9 +213,29 @@ def _atc_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_url(args: argparse.Namespace) -> int:
+    from .runtime.bench.http import UrlOptions, run_url_bench, url_table
+
+    if args.artifact is not None or args.workload != "shared-prefix":
+        raise ConfigError("--url runs --workload shared-prefix over HTTP (one server or a fleet's router); the other "
+                          "workloads drive an engine in this process: give --artifact instead of --url")
+    results = run_url_bench(UrlOptions(args.url, requests=args.requests or 32, prefixes=args.prefixes,
+                                       concurrency=args.concurrency, seed=args.seed, api_key=args.api_key))
+    print(url_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if results["lost"] == 0 else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .runtime.bench.report import markdown_table, plot, text_table
     from .runtime.bench.suite import NO_BASELINE, BenchOptions, run_bench
+
+    if args.url is not None:
+        return _bench_url(args)
+    if args.artifact is None:
+        raise ConfigError("give --artifact DIR (the engine in this process) or --url URL (a running server or fleet)")
 
     self_compared = args.workload in NO_BASELINE
     baseline = args.baseline or ("none" if self_compared else "naive")
@@ -217,7 +243,7 @@ def _bench(args: argparse.Namespace) -> int:
                            seed=args.seed, baseline=None if baseline == "none" else baseline,
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
                            custom_ops=args.custom_ops, kv_cache_dtype=args.kv_cache_dtype, chunk_tokens=args.chunk_tokens,
-                           micro=not (args.no_micro or self_compared))
+                           micro=not (args.no_micro or self_compared), prefixes=args.prefixes)
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -391,6 +417,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
     _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")
     _kv_cache_dtype_flag(p, None, "override kv_cache.dtype (default: auto)")
+    p.add_argument("--data-parallel-size", type=int, dest="data_parallel_size",
+                   help="override fleet.data_parallel_size: this many replicas, each pinned to its own cores, behind "
+                        "vllm-router on --port (needs pagedgraph[fleet]; see docs/scale-out.md) (default: 1)")
+    p.add_argument("--router-policy", dest="router_policy", choices=ROUTER_POLICIES,
+                   help="override fleet.router.policy, how the router picks a replica (default: cache_aware)")
     p.set_defaults(func=_serve)
 
     p = command("atc-plan", "print the ATC commands that compile the artifact's ONNX graph for Ascend")
@@ -401,7 +432,15 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_atc_plan)
 
     p = command("bench", "measure the paged engine on a workload against the naive baseline")
-    p.add_argument("--artifact", required=True, help="exported with export.baseline: naive for the baseline")
+    p.add_argument("--artifact", help="exported with export.baseline: naive for the baseline")
+    p.add_argument("--url", help="instead of --artifact: run --workload shared-prefix over HTTP against this server or "
+                                 "fleet router (http://HOST:PORT); prefix hit rate from the answers' cached_tokens")
+    p.add_argument("--prefixes", type=int, default=1,
+                   help="shared-prefix: distinct system prompts, each request drawing one (a router must keep each "
+                        "on one replica)")
+    p.add_argument("--concurrency", type=int, help="--url: requests in flight at once (default: all)")
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
+                   help="--url: the server's API key (default: $PAGEDGRAPH_API_KEY, else none)")
     p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress"], default="mixed",
                    help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
                         "off (needs a 4,096-token artifact: configs/smollm2-long.yaml)")

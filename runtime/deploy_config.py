@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -113,6 +113,59 @@ class ExecutorSection(Settings):
         return ("on" if value else "off") if isinstance(value, bool) else value
 
 
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random", "consistent_hash"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+
+
+class RouterSection(Settings):
+    """vllm-router in front of a fleet's replicas (runtime/fleet/router.py maps these to its flags)."""
+
+    policy: RouterPolicy = Field(
+        "cache_aware", description="cache_aware: a prompt goes to the replica whose prefix tree matches it best, "
+                                   "unless the replicas' loads drift apart; round_robin; power_of_two; random")
+    health_check_interval_s: int = Field(1, ge=1, description="the router checks each replica's /health this often")
+    health_failure_threshold: int = Field(1, ge=1, description="failed checks in a row before a replica gets no "
+                                                               "more requests")
+    health_success_threshold: int = Field(1, ge=1, description="passed checks in a row before it gets them again")
+    circuit_open_s: int = Field(2, ge=1, description="after requests to a replica fail, how long the router skips "
+                                                     "it before it tries one again")
+    max_retries: int = Field(3, ge=1, description="attempts per request across replicas (a request is retried "
+                                                  "only before its response has started)")
+    cache_threshold: float = Field(0.3, ge=0, le=1, description="cache_aware: the prefix match above which the "
+                                                                "best-matching replica is chosen")
+    extra_args: list[str] = Field(default_factory=list, description="more vllm-router flags, passed as given")
+
+
+class FleetSection(Settings):
+    """Data parallelism: replicas of this deployment behind a router, all started and stopped by one command."""
+
+    data_parallel_size: int = Field(1, ge=1, description="local replicas started by `pagedgraph serve`")
+    cores_per_replica: int | None = Field(None, ge=1, description="CPU cores pinned to each local replica "
+                                                                 "(default: the cores available, split evenly)")
+    pin_cores: bool = Field(True, description="pin each local replica to its own cores (sched_setaffinity)")
+    replica_urls: list[str] = Field(default_factory=list, description="replicas already running elsewhere "
+                                                                      "(`pagedgraph serve` URLs), routed to as well")
+    restart: bool = Field(True, description="restart a local replica that exits; it rejoins once healthy")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long a replica or the router may take to start")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="every replica's /metrics, labelled by "
+                                                                       "replica, on this port (default: server.port "
+                                                                       "+ 1; 0: any free port)")
+    router: RouterSection = RouterSection()
+
+    @field_validator("replica_urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not a URL: give http://HOST:PORT of a `pagedgraph serve`")
+        return [url.rstrip("/") for url in urls]
+
+    @property
+    def active(self) -> bool:
+        """More than one replica: `pagedgraph serve` runs the fleet instead of one server."""
+        return self.data_parallel_size + len(self.replica_urls) > 1
+
+
 class Deployment(Settings):
     model: ModelSection
     kv_cache: KVCacheSection = KVCacheSection()
@@ -121,6 +174,7 @@ class Deployment(Settings):
     sampling: SamplingDefaults = SamplingDefaults()
     server: ServerSection = ServerSection()
     executor: ExecutorSection = ExecutorSection()
+    fleet: FleetSection = FleetSection()
 
     @property
     def model_name(self) -> str:

@@ -37,17 +37,22 @@ def _policy_text(rng: random.Random, num_words: int) -> str:
 
 
 def shared_prefix_workload(num_requests: int = 32, prefix_words: int = 860, max_tokens: int = 32,
-                           seed: int = 0) -> list[dict[str, Any]]:
-    """Chat requests that share one long system prompt and differ in their question (greedy).
+                           seed: int = 0, prefixes: int = 1) -> list[dict[str, Any]]:
+    """Chat requests that share a long system prompt and differ in their question (greedy).
 
     With the default 860 words the system prompt renders to about 1,000 SmolLM2 tokens, so all
-    but the first request can take the shared blocks from the prefix cache. Each item is a
-    request of `pagedgraph generate --input` (messages plus sampling fields).
+    but the first request can take the shared blocks from the prefix cache. With `prefixes` > 1 there
+    are that many system prompts (tenants), each request drawing one at random: what a router must keep
+    together for the replicas' caches to hit. Each item is a request of `pagedgraph generate --input`
+    (messages plus sampling fields).
     """
     rng = random.Random(seed)
-    system = "You are the support assistant of an online store. Follow this policy.\n" + \
-        _policy_text(rng, prefix_words)
-    return [{"messages": [{"role": "system", "content": system},
-                          {"role": "user", "content": rng.choice(_QUESTIONS).format(n=rng.randint(1000, 9999))}],
-             "max_tokens": max_tokens, "temperature": 0.0}
-            for _ in range(num_requests)]
+    systems = ["You are the support assistant of an online store. Follow this policy.\n" +
+               _policy_text(rng, prefix_words) for _ in range(prefixes)]
+    items = []
+    for _ in range(num_requests):
+        system = systems[rng.randrange(prefixes)] if prefixes > 1 else systems[0]
+        question = rng.choice(_QUESTIONS).format(n=rng.randint(1000, 9999))
+        items.append({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                      "max_tokens": max_tokens, "temperature": 0.0})
+    return items

@@ -18,6 +18,13 @@ cancelled by the client mid-way. Each distinct greedy request is first run alone
 
 The JSON holds `requests_per_s` (completed requests per second of load), `errors`, `mismatches`,
 `leaked_blocks`, `p99_latency_s` and the measurements behind each check; the exit status is 0 when all pass.
+
+With `--kill-replica I` and a deployment with a fleet section, the load (no cancellations) goes through
+the router and local replica I is SIGKILLed while it serves part of it. Then only streams it was
+serving may fail (`streams_cut_on_killed`, at most its requests in flight; the router retries the
+others), every other request must succeed with its solo text (`errors_elsewhere`, `mismatches`), the
+restarted replica must be back in the router's rotation (`rejoin_s`) and serve fresh prompts
+(`full_strength`), and SIGTERM must drain the fleet to exit 0.
 """
 from __future__ import annotations
 
@@ -39,9 +46,10 @@ from typing import Any
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedgraph.artifact.manifest import Manifest
-from pagedgraph.runtime.deploy_config import load_deployment
+from pagedgraph.runtime.deploy_config import Deployment, load_deployment
 from pagedgraph.runtime.workloads import shared_prefix_workload
 
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
@@ -124,8 +132,17 @@ def plan(count: int, num_specs: int, cancel_fraction: float, seed: int) -> list[
 
 
 # -- the server -------------------------------------------------------------------------------------
+# The server's own lines (a fleet relays its replicas' lines behind "replica N | ", which these never match).
+LISTENING = re.compile(r"^\S+ \S+ INFO pagedgraph\.(server|fleet): listening on (http://\S+)"
+                       r"(?: .*metrics on (http://\S+))?")
+READY = re.compile(r"^(INFO: +Application startup complete|\S+ \S+ INFO pagedgraph\.fleet: listening on)")
+
+
 class ServerProcess:
-    """`pagedgraph serve --config CONFIG --port 0` as a subprocess; its output goes to a log file."""
+    """`pagedgraph serve --config CONFIG --port 0` as a subprocess; its output goes to a log file.
+
+    With a fleet section the URL is the router's, `metrics_url` every replica's metrics, and `replica(i)`
+    the process of local replica i."""
 
     def __init__(self, config: str, timeout_s: float) -> None:
         self.log_path = Path(tempfile.mkstemp(prefix="pagedgraph-loadtest-", suffix=".log")[1])
@@ -134,6 +151,7 @@ class ServerProcess:
         self.process = psutil.Process(self.proc.pid)
         self._started = threading.Event()
         self._url: str | None = None
+        self.metrics_url: str | None = None
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
         if not self._started.wait(timeout_s) or self._url is None:
@@ -148,15 +166,23 @@ class ServerProcess:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
-                found = re.search(r"listening on (http://\S+?)(?: |$)", line)
+                found = LISTENING.match(line)
                 if found:
-                    self._url = found.group(1).replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
-                if "Application startup complete" in line:
+                    self._url = found.group(2).replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+                    self.metrics_url = found.group(3)
+                if READY.match(line):
                     self._started.set()
         self._started.set()
 
     def rss(self) -> int:
         return self.process.memory_info().rss
+
+    def replica(self, index: int) -> psutil.Process:
+        """A fleet's local replica `index` as it runs now (a restart is a new process)."""
+        for child in self.process.children():
+            if any(part.endswith(f"replica-{index}.yaml") for part in child.cmdline()):
+                return child
+        raise LookupError(f"replica {index} is not running")
 
     def stop(self, timeout_s: float) -> int:
         """SIGTERM (a drain with nothing running) and the exit status."""
@@ -358,11 +384,16 @@ def summarize(m: Measured, exit_code: int, rss_tolerance: float) -> dict[str, An
     return report
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def start(args: argparse.Namespace) -> tuple[Deployment, dict[str, str], Manifest, ServerProcess]:
+    """The deployment, the headers its API key needs, its artifact's manifest, and the server started on it."""
     deployment = load_deployment(args.config)
     headers = {"Authorization": f"Bearer {deployment.server.api_key}"} if deployment.server.api_key else {}
     manifest = Manifest.load(Path(deployment.model.artifact), verify=False)
-    server = ServerProcess(args.config, args.startup_timeout)
+    return deployment, headers, manifest, ServerProcess(args.config, args.startup_timeout)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _, headers, manifest, server = start(args)
     try:
         measured = measure(server, args, headers, manifest.model.vocab_size, manifest.block_size)
     finally:
@@ -370,6 +401,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
             "cancel_fraction": args.cancel_fraction, "server_log": str(server.log_path),
             **summarize(measured, exit_code, args.rss_tolerance)}
+
+
+# -- a fleet: one replica killed under load ---------------------------------------------------------
+def replica_metrics(client: httpx.Client, metrics_url: str) -> dict[str, dict[str, float]]:
+    """The fleet's merged /metrics by replica: each sample name's values summed over its other labels."""
+    by_replica: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(client.get(metrics_url).text):
+        for sample in family.samples:
+            replica = sample.labels.get("replica")
+            if replica is not None:
+                values = by_replica.setdefault(replica, {})
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return by_replica
+
+
+def healthy_workers(client: httpx.Client) -> int:
+    """Replicas the router routes to now (vllm-router's /workers)."""
+    return sum(w["is_healthy"] for w in client.get("/workers").json()["workers"])
+
+
+def _cut_stream(item: Planned, result: Result) -> bool:
+    """A stream that broke after its 200: only a replica that died cuts one (the router forwards bytes as they come)."""
+    return result.outcome == "error" and item.stream and not result.detail.startswith("RuntimeError: HTTP ")
+
+
+def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: dict[str, str], vocab_size: int
+                    ) -> dict[str, Any]:
+    """Solo answers, then the load; replica `--kill-replica` is SIGKILLed once it serves part of it; then the wait
+    for its restart to rejoin, and fresh prompts that must reach every replica again."""
+    victim = str(args.kill_replica)
+    assert server.metrics_url is not None, "--kill-replica needs a deployment with a fleet section"
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        replicas = len(replica_metrics(client, server.metrics_url))
+        specs = make_specs(args.specs, args.max_tokens, max_model_len, vocab_size, args.seed)
+        answers = solo(server.url, headers, specs)
+        load = plan(args.requests, len(specs), 0.0, args.seed)
+        box: dict[str, Any] = {}
+        sender = threading.Thread(target=lambda: box.update(
+            out=asyncio.run(run_load(server.url, headers, specs, load, args.concurrency))))
+        sender.start()
+        in_flight, deadline = 0.0, time.monotonic() + args.settle_timeout
+        while sender.is_alive() and time.monotonic() < deadline:
+            in_flight = replica_metrics(client, server.metrics_url)[victim]["pagedgraph_http_requests_in_flight"]
+            if in_flight >= max(1, args.concurrency // (2 * replicas)):
+                break
+            time.sleep(0.1)
+        killed = server.replica(args.kill_replica)
+        killed.kill()
+        killed_at = time.monotonic()
+        sender.join()
+        results, wall = box["out"]
+        rejoin_s = None
+        while time.monotonic() < killed_at + args.startup_timeout:
+            if healthy_workers(client) == replicas:
+                rejoin_s = time.monotonic() - killed_at
+                break
+            time.sleep(0.2)
+        before = replica_metrics(client, server.metrics_url)
+        fresh = pool_fillers(4 * replicas * 256, 257, vocab_size, args.seed + 99)  # distinct 256-token prompts
+        asyncio.run(run_load(server.url, headers, fresh, [Planned(i, False, None) for i in range(len(fresh))],
+                             len(fresh)))
+        after = replica_metrics(client, server.metrics_url)
+    finished = "pagedgraph_requests_finished_total"  # no sample yet on a replica that has finished none
+    served = {r: after[r].get(finished, 0.0) - before.get(r, {}).get(finished, 0.0) for r in after}
+    cut = [r for item, r in zip(load, results) if _cut_stream(item, r)]
+    other = [r for item, r in zip(load, results) if r.outcome == "error" and not _cut_stream(item, r)]
+    completed = [r for r in results if r.outcome == "completed"]
+    mismatched = [r for r in completed if r.spec in answers and r.texts != answers[r.spec]]
+    return {"replicas": replicas, "killed_replica": args.kill_replica, "killed_in_flight": int(in_flight),
+            "requests": len(results), "completed": len(completed), "streams_cut_on_killed": len(cut),
+            "errors_elsewhere": len(other), "mismatches": len(mismatched), "wall_s": round(wall, 2),
+            "rejoin_s": None if rejoin_s is None else round(rejoin_s, 2), "fresh_requests_by_replica": served,
+            "full_strength": rejoin_s is not None and all(n > 0 for n in served.values()),
+            "first_errors": [asdict(r) for r in (other or cut)[:5]]}
+
+
+def run_kill(args: argparse.Namespace) -> dict[str, Any]:
+    deployment, headers, manifest, server = start(args)
+    try:
+        report = kill_under_load(server, args, headers, manifest.model.vocab_size)
+    finally:
+        exit_code = server.stop(args.settle_timeout + deployment.server.drain_timeout_s)
+    report.update(config=args.config, concurrency=args.concurrency, exit_code=exit_code,
+                  server_log=str(server.log_path))
+    checks = {"errors_elsewhere": report["errors_elsewhere"] == 0, "mismatches": report["mismatches"] == 0,
+              "streams_cut": report["streams_cut_on_killed"] <= report["killed_in_flight"],
+              "full_strength": report["full_strength"], "exit_code": exit_code == 0}
+    report["failed_checks"] = [name for name, ok in checks.items() if not ok]
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,9 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--settle-timeout", type=float, default=60.0, help="how long the server may take to idle")
+    parser.add_argument("--kill-replica", type=int, dest="kill_replica",
+                        help="a fleet (the deployment's fleet section): SIGKILL this local replica under the load, "
+                             "then check that only its streams failed and that it rejoins (no cancellations)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    report = run(args)
+    report = run(args) if args.kill_replica is None else run_kill(args)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

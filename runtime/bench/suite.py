@@ -43,6 +43,7 @@ class BenchOptions:
     prompt_range: tuple[int, int] = (8, 1024)  # mixed/poisson prompt lengths (log-uniform)
     output_range: tuple[int, int] = (16, 256)  # mixed/poisson output lengths (uniform)
     prefix_words: int | None = None  # shared-prefix system prompt length; default: the workload's (~1,000 tokens)
+    prefixes: int = 1  # shared-prefix: distinct system prompts
     baseline: str | None = "naive"
     naive_batch: int = 16
     threads: int | None = None
@@ -71,7 +72,8 @@ class BenchOptions:
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
     count = options.requests or DEFAULT_REQUESTS[options.workload]
     if options.workload == "shared-prefix":
-        requests = workloads.shared_prefix(engine.prompts.token_ids, count, options.prefix_words, options.seed)
+        requests = workloads.shared_prefix(engine.prompts.token_ids, count, options.prefix_words, options.seed,
+                                           options.prefixes)
     elif options.workload == "stress":
         requests = workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
     else:

@@ -46,10 +46,10 @@ def poisson(requests: list[BenchRequest], rate: float, seed: int = 0) -> list[Be
 
 
 def shared_prefix(encode: Callable[[Mapping[str, Any]], list[int]], num_requests: int = 32,
-                  prefix_words: int | None = None, seed: int = 0) -> list[BenchRequest]:
-    """runtime.workloads' chats sharing a system prompt (~1,000 tokens by default), as token ids, all at t=0."""
+                  prefix_words: int | None = None, seed: int = 0, prefixes: int = 1) -> list[BenchRequest]:
+    """runtime.workloads' chats sharing `prefixes` system prompts (~1,000 tokens by default), as token ids, at t=0."""
     words = {} if prefix_words is None else {"prefix_words": prefix_words}
-    items = shared_prefix_workload(num_requests=num_requests, seed=seed, **words)
+    items = shared_prefix_workload(num_requests=num_requests, seed=seed, prefixes=prefixes, **words)
     return [BenchRequest(encode({"messages": item["messages"]}), int(item["max_tokens"])) for item in items]
 
 

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -324,18 +325,32 @@ class Frontend:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        self.check_admitting()
+    @staticmethod
+    def _completion_prompt(body: CompletionRequest) -> str | list[int]:
+        """The one prompt of a completions body."""
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
                                     "(concurrent requests are batched together)", param="prompt")
             prompt = prompt[0]
-        params = self._params(body)  # the body's own rules and caps before any tokenizing
-        ids = await self._on_tokenizer(partial(self.prompts.encode, prompt), "prompt") if isinstance(prompt, str) \
+        return prompt  # type: ignore[return-value]
+
+    async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        return await self._on_tokenizer(partial(self.prompts.encode, prompt), "prompt") if isinstance(prompt, str) \
             else list(prompt)
+
+    async def _chat_ids(self, body: ChatCompletionRequest, tools: ToolRequest) -> tuple[str, list[int]]:
+        """The messages rendered with the chat template (and the tools), and their token ids."""
+        messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
+        return await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        self.check_admitting()
+        prompt = self._completion_prompt(body)
+        params = self._params(body)  # the body's own rules and caps before any tokenizing
+        ids = await self._completion_ids(prompt)
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
@@ -354,11 +369,23 @@ class Frontend:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_request(body, self.tokenizer)
         params = self._params(body, tools)
-        messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
-        text, ids = await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
+        text, ids = await self._chat_ids(body, tools)
         fmt = (ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser, tools.parallel)
                if tools.active else ChatFormat(self.model, self.tokenizer, body.num_logprobs))
         return await self.generate(request, body, params, ids, "messages", fmt, text)
+
+    # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's cache_aware policy asks
+    # for them before it routes a request, and matches them against each replica's prefix tree.
+    async def render_completion(self, body: CompletionRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        return self._rendered(await self._completion_ids(self._completion_prompt(body)))
+
+    async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        return self._rendered((await self._chat_ids(body, tool_request(body, self.tokenizer)))[1])
+
+    def _rendered(self, ids: list[int]) -> dict[str, Any]:
+        return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": ids, "features": None}
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""
@@ -492,6 +519,8 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(deployment.server.api_key))])
     v1.add_api_route("/completions", frontend.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", frontend.chat, methods=["POST"])
+    v1.add_api_route("/completions/render", frontend.render_completion, methods=["POST"])
+    v1.add_api_route("/chat/completions/render", frontend.render_chat, methods=["POST"])
     v1.add_api_route("/models", frontend.models, methods=["GET"])
     app.include_router(v1)
     # vLLM serves these at the root; like /v1 they need the API key when one is set.

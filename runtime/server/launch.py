@@ -43,6 +43,14 @@ def build_app(deployment: Deployment, source: str) -> FastAPI:
     return create_app(EngineLoop(engine), deployment)
 
 
+class QuietHealthChecks(logging.Filter):
+    """A fleet's router checks /health every second: those 200s stay out of the access log (failures still show)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's access line: (client, method, path, http version, status)
+        return not (isinstance(args, tuple) and len(args) == 5 and args[2] == "/health" and args[4] == 200)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT drains the frontend before the usual shutdown."""
 
@@ -91,4 +99,5 @@ def serve(deployment: Deployment, source: str) -> None:
     log.info("listening on http://%s:%d (OpenAI API under /v1%s)", shown, port,
              ", API key required" if settings.api_key else "")
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    logging.getLogger("uvicorn.access").addFilter(QuietHealthChecks())
     DrainingServer(config, app.state.frontend, settings.drain_timeout_s).run(sockets=[sock])

@@ -22,6 +22,15 @@ from ..sampling_params import RequestError, SamplingParams
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
+    # SGLang's request extras, which vllm-router and sglang-router write into every body they forward (at
+    # these values) when a fleet's router re-serializes a request (docs/scale-out.md).
+    "no_stop_trim": (None, False),
+    "skip_special_tokens": (None, True),
+    "return_hidden_states": (None, False),
+    "continue_final_message": (None, False),
+    "separate_reasoning": (None, True),
+    "stream_reasoning": (None, True),
+    "include_reasoning": (None, True),
 }
 
 
@@ -117,6 +126,10 @@ class SamplingFields(_Body):
     # vLLM's StructuredOutputsParams: one of json | regex | choice | grammar | json_object (+ its options)
     structured_outputs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
+    # Neutral only (NEUTRAL): what a fleet's router adds to the bodies it forwards.
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
     def constraint(self) -> Constraint | None:
         """What the output must match; raises ConstraintError naming the field."""
@@ -252,6 +265,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    # Neutral only (NEUTRAL): what a fleet's router adds to the chat bodies it forwards.
+    continue_final_message: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     @property
     def num_logprobs(self) -> int | None:
