@@ -41,9 +41,16 @@ def check_custom_ops(mode: str) -> None:
         raise ValueError(f"custom_ops = {mode!r}: choose one of {', '.join(CUSTOM_OPS)}")
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
-    """The engine's ONNX Runtime settings; the naive baseline uses them too, so both run alike."""
+def session_options(threads: int | None, prepack: bool = True) -> ort.SessionOptions:
+    """The engine's ONNX Runtime settings; the naive baseline uses them too, so both run alike.
+
+    Prepacking stays on; `prepack` False is there to measure it (scripts/prepack_bench.py). Off, the weights stay
+    one mapped copy and load takes no time, but MatMulNBits dequantizes its blocks on every call (45x slower at a
+    1.1B decode step); on, the packed copy is the one copy: ORT drops each mapped original once it is packed, and
+    page_out_weights gives back what is left (docs/performance.md, "Real model sizes")."""
     options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if threads:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1

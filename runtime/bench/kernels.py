@@ -30,7 +30,7 @@ MLAS_PATHS = {0: "SQNBitGemm CompFp32", 1: "SQNBitGemm CompFp32", 2: "SQNBitGemm
               3: "SQNBitGemm CompBf16", 4: "SQNBitGemm CompInt8"}
 
 
-def _feed(gear: Gear, block_size: int) -> dict[str, np.ndarray]:
+def step_feed(gear: Gear, block_size: int) -> dict[str, np.ndarray]:
     """One real sequence filling the gear's first row (the rest padding), like a first step."""
     feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
     tokens = gear.tokens if gear.seqs == gear.tokens else min(gear.tokens, gear.blocks * block_size)
@@ -60,12 +60,12 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             logits = np.zeros((gear.seqs, manifest.model.vocab_size), np.float32)
             pools = KVPools(manifest, gear.blocks + 1)  # the graph's own cache dtype (auto)
             # Bound as the engine runs a step: the pools in place (a plain run copies every pool per layer).
-            binding = step_binding(session, _feed(gear, manifest.block_size), pool_values(pools), logits)
+            binding = step_binding(session, step_feed(gear, manifest.block_size), pool_values(pools), logits)
             run = run_options()
             for _ in range(runs + 1):  # the first run also prepacks: left out below
                 session.run_with_iobinding(binding, run)
             events = json.loads(Path(session.end_profiling()).read_text())
-        out[phase] = {"gear": [gear.tokens, gear.seqs, gear.blocks], "ops": _per_op(events, runs)}
+        out[phase] = {"gear": [gear.tokens, gear.seqs, gear.blocks], "ops": per_op_times(events, runs)}
     if out["custom_ops"] and manifest.dtype == "bfloat16":
         out["linear_bfloat16"] = onednn_implementations()
     return out
@@ -79,7 +79,7 @@ def onednn_implementations() -> str:
     return library.PgBf16LinearImplementations().decode()
 
 
-def _per_op(events: list[dict[str, Any]], runs: int) -> dict[str, dict[str, Any]]:
+def per_op_times(events: list[dict[str, Any]], runs: int) -> dict[str, dict[str, Any]]:
     steps = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
     start = steps[1]["ts"] if len(steps) > 1 else 0  # after the warm-up run
     ops: dict[str, dict[str, Any]] = {}

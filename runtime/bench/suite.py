@@ -26,6 +26,7 @@ from .runner import run_engine, warm_up
 from .workloads import BenchRequest
 from ..engine import EngineConfig, LLMEngine
 from ..executors import CustomOps
+from ..kv_pools import weights_bytes
 
 DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
 NO_BASELINE = ("stress",)  # workloads compared with themselves (chunking on vs off), not with the naive engine
@@ -116,12 +117,13 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     # Whether the fused ops ran as pagedgraph's custom ops ("auto" may have fallen back); None: not ONNX Runtime.
     record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
-    weights = sum(p.stat().st_size for p in (Path(options.artifact) / "graphs").glob("*.bin"))
+    weights = weights_bytes(Path(options.artifact))
     record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.pools.num_blocks,
                         kv_bytes_per_block=engine.pools.bytes_per_block)
     resident = resident_bytes(engine.pools.values())
     record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes, kv_cache_resident_bytes=resident,
                         rss_beyond_kv_bytes=record.peak_rss_bytes - resident,
+                        rss_beyond_weights_kv_bytes=record.peak_rss_bytes - resident - weights, load_s=engine.stats.load_s,
                         rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
     return record, requests, engine
 
