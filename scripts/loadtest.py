@@ -442,10 +442,13 @@ def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: di
         sender = threading.Thread(target=lambda: box.update(
             out=asyncio.run(run_load(server.url, headers, specs, load, args.concurrency))))
         sender.start()
-        in_flight, deadline = 0.0, time.monotonic() + args.settle_timeout
-        while sender.is_alive() and time.monotonic() < deadline:
+        # Kill once the victim holds its share of the load, or any of it after a few seconds (a cache-aware
+        # router may keep most prompts on another replica).
+        in_flight, started = 0.0, time.monotonic()
+        while sender.is_alive() and time.monotonic() < started + args.settle_timeout:
             in_flight = replica_metrics(client, server.metrics_url)[victim]["pagedgraph_http_requests_in_flight"]
-            if in_flight >= max(1, args.concurrency // (2 * replicas)):
+            share = max(1, args.concurrency // (2 * replicas))
+            if in_flight >= share or (in_flight and time.monotonic() > started + 5):
                 break
             time.sleep(0.1)
         killed = server.replica(args.kill_replica)
