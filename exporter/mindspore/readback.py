@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 _PLUMBING = {"Load", "UpdateState", "Depend", "MakeTuple", "TupleGetItem"}  # ordering and tuples, not ops
 _EFFECT_TOKENS = {"<UpdateState>", "<UMONAD>", "<IOMONAD>"}  # side-effect ordering inputs, not data
@@ -39,12 +41,13 @@ class Argument:
 @dataclass(frozen=True)
 class GraphRecord:
     """What a loaded GraphCell would own: its arguments are bound by the caller (one copy for every graph
-    that takes them), its Parameters are private to it, and `data_bytes` is all the tensor data the file
-    holds itself (Parameters, constants)."""
+    that takes them), its Parameters are private to it, `data_bytes` is all the tensor data the file
+    holds itself (Parameters, constants), and `activation_bytes` what one run keeps live at its peak."""
 
     arguments: list[Argument]  # graph inputs, in call order
     parameters: list[str]
     data_bytes: int
+    activation_bytes: int
 
 
 def read_graph(path: Path) -> GraphRecord:
@@ -57,7 +60,60 @@ def read_graph(path: Path) -> GraphRecord:
                  for i in graph.input]
     tensors = [*graph.parameter, *(t for n in graph.node for a in n.attribute for t in a.tensors)]
     return GraphRecord(arguments, [p.name.split(":")[-1] for p in graph.parameter],
-                       sum(len(t.raw_data) for t in tensors))
+                       sum(len(t.raw_data) for t in tensors), _activation_peak(graph))
+
+
+# Outputs that share their first input's memory: views (MindSpore runs Reshape and its kin as no-task nodes whose
+# output has the input's address) and effect/tuple plumbing.
+_ALIASES = {"Reshape", "ExpandDims", "Squeeze", "Flatten", "Depend", "Load", "TupleGetItem"}
+
+
+def _activation_peak(graph: Any) -> int:
+    """The most bytes of intermediate tensors live at once when the nodes run in graph order and each tensor
+    is freed after its last reader: what MindSpore's default dynamic memory reuse (reference counting) holds,
+    before fragmentation and the kernels' own workspaces. Graph inputs and Parameters belong to the caller and
+    are not counted; each element of a tuple output (AddRmsNorm's y, rstd, sum) is its own tensor, counted if
+    read."""
+    from ...artifact.mindir import numpy_dtype
+
+    nodes = [n for n in graph.node if n.op_type.startswith("REF::")]
+    position = {n.output[0]: i for i, n in enumerate(nodes)}
+    base: dict[str, str | None] = {}  # a value -> the tensor it lives in (None: the caller's memory)
+    size: dict[str, int] = {}
+    born: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        op_type = node.op_type[len("REF::"):].split(":")[0]
+        nbytes = sum(int(np.prod(t.dims)) * numpy_dtype(_dtype(t.data_type)).itemsize
+                     for a in node.attribute if a.name == "shape" for t in a.tensors)
+        for source in node.input:
+            if base.get(source) is not None:
+                last_read[base[source]] = i
+        out, first = node.output[0], node.input[0] if node.input else None
+        if op_type == "TupleGetItem" and first in position and base[first] == first and not size[first]:
+            element = f"{first}[{node.input[1]}]"  # an element of a tuple output, born with its producer
+            size.setdefault(element, nbytes)
+            born.setdefault(element, position[first])
+            base[out] = element
+        elif op_type in _ALIASES:
+            base[out] = base.get(first)  # a view, or plumbing: the same memory
+        else:
+            base[out], size[out], born[out] = out, nbytes, i
+    frees: dict[int, list[str]] = {}
+    for tensor, i in last_read.items():
+        frees.setdefault(i, []).append(tensor)
+    for tensor, i in born.items():
+        if tensor not in last_read:  # never read
+            frees.setdefault(i, []).append(tensor)
+    births: dict[int, list[str]] = {}
+    for tensor, i in born.items():
+        births.setdefault(i, []).append(tensor)
+    live = peak = 0
+    for i in range(len(nodes)):
+        live += sum(size[t] for t in births.get(i, ()))
+        peak = max(peak, live)
+        live -= sum(size[t] for t in frees.get(i, ()))
+    return peak
 
 
 def _dtype(data_type: int) -> str:

@@ -424,6 +424,26 @@ def test_ascend_ladder_references_one_copy_of_the_weights(ascend_caches: tuple[s
     _assert_one_copy_of_the_weights(ascend_caches[1], checkpoint)
 
 
+def test_activation_peak_counts_the_live_tensors_in_graph_order(tmp_path: Path) -> None:
+    """Three [64, 64] float32 tensors (16 KiB each) are live at once in `c = (a + 1) * a` over a view of `a`;
+    the input is the caller's, a Reshape a view, and each tensor is freed after its last reader."""
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore import ops as msops
+
+    class Chain(nn.Cell):
+        def construct(self, x):
+            a = x * 2
+            b = a + 1
+            c = msops.reshape(b, (64, 64)) * msops.reshape(a, (64, 64))
+            return c - 1
+
+    ms.export(Chain(), ms.Tensor(np.zeros(4096, np.float32)), file_name=str(tmp_path / "chain"), file_format="MINDIR")
+    record = read_graph(tmp_path / "chain.mindir")
+    assert [(a.shape, a.dtype) for a in record.arguments] == [((4096,), "float32")]
+    assert record.activation_bytes == 3 * 4096 * 4
+
+
 def test_self_attention_lowers_to_flash_attention_tnd_on_ascend(tmp_path: Path) -> None:
     """The Ascend body reads back as FlashAttentionScore in TND layout with host sequence lengths, as ATB does.
 
