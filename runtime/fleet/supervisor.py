@@ -21,8 +21,10 @@ from types import FrameType
 
 import yaml
 
+from ...artifact.manifest import Manifest
 from ...artifact.settings import ConfigError
 from ..deploy_config import Deployment
+from ..kv_pools import PoolRequest, bytes_per_block, free_memory_bytes, pool_blocks, weights_bytes
 from .metrics import serve_metrics
 from .plan import LOOPBACK, FleetPlan, ReplicaPlan, plan_fleet
 from .process import Child, wait_ready
@@ -34,15 +36,33 @@ STABLE_S = 60.0  # a replica up this long has its backoff reset
 ROUTER_STOP_S = 10.0
 
 
-def replica_deployment(deployment: Deployment, replica: ReplicaPlan) -> dict:
-    """The YAML a local replica serves: this deployment without its fleet, on its port, threads = its cores.
-
-    The API key stays out of the file (the replica reads it from $PAGEDGRAPH_API_KEY)."""
+def replica_deployment(deployment: Deployment, replica: ReplicaPlan, num_blocks: int | None = None) -> dict:
+    """The YAML a local replica serves: this deployment without its fleet, on its port, threads = its cores, and
+    `num_blocks` when given. The API key stays out of the file (the replica reads $PAGEDGRAPH_API_KEY)."""
     data = deployment.model_dump(mode="json", exclude={"fleet": True, "server": {"api_key"}})
     data["server"].update(host=LOOPBACK, port=replica.port)
     if replica.cores is not None and deployment.executor.threads is None:
         data["executor"]["threads"] = len(replica.cores)
+    if num_blocks is not None:
+        data["kv_cache"]["num_blocks"] = num_blocks
     return data
+
+
+def kv_share(deployment: Deployment, replicas: int, free_bytes: int | None = None) -> int | None:
+    """Each local replica's KV pool in blocks when the deployment sets no size: the default of one server
+    (kv_pools.pool_blocks) with the free memory split between the replicas, which start together and would each
+    count all of it. `free_bytes`: default kv_pools.free_memory_bytes()."""
+    kv, scheduler = deployment.kv_cache, deployment.scheduler
+    if kv.num_blocks is not None or kv.kv_cache_bytes is not None or replicas < 2:
+        return None
+    artifact = Path(deployment.model.artifact)
+    manifest = Manifest.load(artifact, verify=False)
+    weights = weights_bytes(artifact)
+    request = PoolRequest(bytes_per_block(manifest, manifest.kv_cache_dtype(kv.dtype, artifact)), manifest.block_size,
+                          scheduler.max_model_len or manifest.max_model_len, scheduler.max_num_seqs,
+                          weights_bytes=weights)
+    free = free_memory_bytes() if free_bytes is None else free_bytes
+    return pool_blocks(request, (free - (replicas - 1) * weights) // replicas)
 
 
 class Fleet:
@@ -54,11 +74,14 @@ class Fleet:
         self._dir = Path(tempfile.mkdtemp(prefix="pagedgraph-fleet-"))
         env = {"PAGEDGRAPH_API_KEY": deployment.server.api_key} if deployment.server.api_key else {}
         self.replicas: list[tuple[ReplicaPlan, Child]] = []
-        for replica in plan.replicas:
-            if not replica.local:
-                continue
+        local = [replica for replica in plan.replicas if replica.local]
+        blocks = kv_share(deployment, len(local))
+        if blocks is not None:
+            log.info("KV pool per replica: %d blocks (kv_cache.num_blocks; one server's default with the free memory "
+                     "split %d ways); set kv_cache.num_blocks or kv_cache_bytes to choose", blocks, len(local))
+        for replica in local:
             config = self._dir / f"replica-{replica.index}.yaml"
-            config.write_text(yaml.safe_dump(replica_deployment(deployment, replica), sort_keys=False))
+            config.write_text(yaml.safe_dump(replica_deployment(deployment, replica, blocks), sort_keys=False))
             command = [sys.executable, "-m", "pagedgraph.cli", "serve", "--config", str(config)]
             self.replicas.append((replica, Child(f"replica {replica.index}", command, replica.cores, env)))
         fleet = deployment.fleet

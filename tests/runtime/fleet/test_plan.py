@@ -1,14 +1,18 @@
 """The fleet's plan and the commands it starts, without starting anything."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from pagedgraph.artifact.settings import ConfigError
-from pagedgraph.runtime.deploy_config import Deployment
+from pagedgraph.runtime.deploy_config import Deployment, KVCacheSection
 from pagedgraph.runtime.fleet.plan import plan_fleet, split_cores
 from pagedgraph.runtime.fleet.router import router_command
-from pagedgraph.runtime.fleet.supervisor import replica_deployment
+from pagedgraph.runtime.fleet.supervisor import kv_share, replica_deployment
+from pagedgraph.artifact.manifest import Manifest
+from pagedgraph.runtime.kv_pools import bytes_per_block, weights_bytes
 
 
 def _deployment(**fleet: object) -> Deployment:
@@ -35,8 +39,22 @@ def test_a_replica_serves_the_deployment_without_its_fleet_on_its_port_and_cores
     assert "fleet" not in data and "api_key" not in data["server"]  # the key travels in the environment
     assert data["server"]["port"] == local.port and data["executor"]["threads"] is None  # unpinned: all cores
     assert Deployment.model_validate(yaml.safe_load(yaml.safe_dump(data))).server.port == local.port
-    pinned = replica_deployment(deployment, local.__class__(0, local.url, local.port, (3, 4)))
-    assert pinned["executor"]["threads"] == 2
+    pinned = replica_deployment(deployment, local.__class__(0, local.url, local.port, (3, 4)), 640)
+    assert pinned["executor"]["threads"] == 2 and pinned["kv_cache"]["num_blocks"] == 640
+
+
+def test_replicas_split_the_free_memory_for_their_default_pools(tiny_artifact: Path) -> None:
+    deployment = Deployment.model_validate({"model": {"artifact": str(tiny_artifact)},
+                                            "scheduler": {"max_num_seqs": 4}})
+    manifest = Manifest.load(tiny_artifact, verify=False)
+    per_block = bytes_per_block(manifest)
+    weights = weights_bytes(tiny_artifact)
+    full = (4 * -(-manifest.max_model_len // manifest.block_size)) + 1  # every sequence at max_model_len
+    assert kv_share(deployment, 2, 2 * weights + 1000 * full * per_block) == full  # plenty: one server's default
+    # Each replica's share is (free - weights) / 2; after its own weights, half of what is left is the pool.
+    assert kv_share(deployment, 2, 3 * weights + 2 * full * per_block) == full // 2
+    assert kv_share(deployment, 1) is None
+    assert kv_share(deployment.model_copy(update={"kv_cache": KVCacheSection(num_blocks=64)}), 2) is None
 
 
 def test_the_router_gets_every_replica_and_checks_their_health_each_interval() -> None:
