@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,7 @@ from .responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")
 DRAIN_FACTOR = 64  # BodyLimit drains at most this many times the limit of a refused body
+RENDERED_KEPT = 256  # render answers kept for the generation a router sends next with the same body
 
 
 class BodyLimit:
@@ -156,6 +158,7 @@ class Frontend:
         self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
         self.metrics = metrics.Metrics(self.model, self.max_model_len)
         self.runtime = self.loop.engine.runtime_info().to_dict()
+        self._rendered: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # body JSON -> prompt text, ids
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=True)
@@ -350,7 +353,7 @@ class Frontend:
         self.check_admitting()
         prompt = self._completion_prompt(body)
         params = self._params(body)  # the body's own rules and caps before any tokenizing
-        ids = await self._completion_ids(prompt)
+        ids = (self._recall(body) or ("", await self._completion_ids(prompt)))[1]
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
@@ -369,23 +372,31 @@ class Frontend:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_request(body, self.tokenizer)
         params = self._params(body, tools)
-        text, ids = await self._chat_ids(body, tools)
+        text, ids = self._recall(body) or await self._chat_ids(body, tools)
         fmt = (ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser, tools.parallel)
                if tools.active else ChatFormat(self.model, self.tokenizer, body.num_logprobs))
         return await self.generate(request, body, params, ids, "messages", fmt, text)
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's cache_aware policy asks
     # for them before it routes a request, and matches them against each replica's prefix tree.
+    # The router then sends the same body to generate: the ids are kept for it, so the replica that serves it
+    # does not tokenize the prompt again.
     async def render_completion(self, body: CompletionRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        return self._rendered(await self._completion_ids(self._completion_prompt(body)))
+        return self._render(body, "", await self._completion_ids(self._completion_prompt(body)))
 
     async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        return self._rendered((await self._chat_ids(body, tool_request(body, self.tokenizer)))[1])
+        return self._render(body, *await self._chat_ids(body, tool_request(body, self.tokenizer)))
 
-    def _rendered(self, ids: list[int]) -> dict[str, Any]:
+    def _render(self, body: SamplingFields, text: str, ids: list[int]) -> dict[str, Any]:
+        self._rendered[body.model_dump_json()] = (text, ids)
+        while len(self._rendered) > RENDERED_KEPT:
+            self._rendered.popitem(last=False)
         return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": ids, "features": None}
+
+    def _recall(self, body: SamplingFields) -> tuple[str, list[int]] | None:
+        return self._rendered.pop(body.model_dump_json(), None)
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""

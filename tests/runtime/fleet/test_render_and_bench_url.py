@@ -31,9 +31,18 @@ def test_render_returns_the_token_ids_generation_would_use(server: ServerThread)
         assert rendered["token_ids"] == tokens and rendered["request_id"]
         plain = client.post("/v1/completions/render", json={"model": MODEL, "prompt": [5, 6, 7]}).json()
         assert plain["token_ids"] == [5, 6, 7]
-        answer = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2,
-                                                           "temperature": 0}).json()
-        assert answer["usage"]["prompt_tokens"] == len(tokens)
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+        alone = client.post("/v1/chat/completions", json=body).json()
+        assert alone["usage"]["prompt_tokens"] == len(tokens)
+        # A router renders, then sends the same body: the kept ids serve it, with the same answer.
+        kept = server.app.state.frontend._rendered
+        kept.clear()
+        assert client.post("/v1/chat/completions/render", json=body).json()["token_ids"] == tokens
+        assert len(kept) == 1
+        after = client.post("/v1/chat/completions", json=body).json()
+        assert not kept  # taken by the generation
+        assert after["choices"][0]["message"] == alone["choices"][0]["message"]
+        assert after["usage"]["prompt_tokens"] == len(tokens)
         refused = client.post("/v1/chat/completions/render", json={"model": "other", "messages": messages})
         assert refused.status_code == 404
 
