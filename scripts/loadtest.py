@@ -23,8 +23,9 @@ With `--kill-replica I` and a deployment with a fleet section, the load (no canc
 the router and local replica I is SIGKILLed while it serves part of it. Then only streams it was
 serving may fail (`streams_cut_on_killed`, at most its requests in flight; the router retries the
 others), every other request must succeed with its solo text (`errors_elsewhere`, `mismatches`), the
-restarted replica must be back in the router's rotation (`rejoin_s`) and serve fresh prompts
-(`full_strength`), and SIGTERM must drain the fleet to exit 0.
+restarted replica must be back in the router's rotation (`rejoin_s`) and answer (`full_strength`; where
+fresh prompts through the router went is `fresh_requests_by_replica`), and SIGTERM must drain the fleet to
+exit 0.
 """
 from __future__ import annotations
 
@@ -416,6 +417,15 @@ def replica_metrics(client: httpx.Client, metrics_url: str) -> dict[str, dict[st
     return by_replica
 
 
+def replica_url(client: httpx.Client, metrics_url: str, replica: int) -> str:
+    """Replica `replica`'s own URL, from the fleet's `pagedgraph_fleet_replica_up{replica, url}`."""
+    for family in text_string_to_metric_families(client.get(metrics_url).text):
+        for sample in family.samples:
+            if sample.name == "pagedgraph_fleet_replica_up" and sample.labels["replica"] == str(replica):
+                return sample.labels["url"]
+    raise LookupError(f"the fleet has no replica {replica}")
+
+
 def healthy_workers(client: httpx.Client) -> int:
     """Replicas the router routes to now (vllm-router's /workers)."""
     return sum(w["is_healthy"] for w in client.get("/workers").json()["workers"])
@@ -428,9 +438,8 @@ def _cut_stream(item: Planned, result: Result) -> bool:
 
 def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: dict[str, str], vocab_size: int
                     ) -> dict[str, Any]:
-    """Solo answers, then the load; replica `--kill-replica` is SIGKILLed once it serves part of it; then the wait
-    for its restart to rejoin, and fresh prompts that must reach every replica again."""
-    victim = str(args.kill_replica)
+    """Solo answers, then the load; replica `--kill-replica` (-1: the one holding the most) is SIGKILLed once it
+    serves part of it; then the wait for its restart to rejoin the router's rotation and answer again."""
     assert server.metrics_url is not None, "--kill-replica needs a deployment with a fleet section"
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
         max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
@@ -444,14 +453,17 @@ def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: di
         sender.start()
         # Kill once the victim holds its share of the load, or any of it after a few seconds (a cache-aware
         # router may keep most prompts on another replica).
-        in_flight, started = 0.0, time.monotonic()
+        in_flight, started, victim = 0.0, time.monotonic(), max(args.kill_replica, 0)
         while sender.is_alive() and time.monotonic() < started + args.settle_timeout:
-            in_flight = replica_metrics(client, server.metrics_url)[victim]["pagedgraph_http_requests_in_flight"]
+            held = {int(r): m["pagedgraph_http_requests_in_flight"]
+                    for r, m in replica_metrics(client, server.metrics_url).items()}
+            victim = args.kill_replica if args.kill_replica >= 0 else max(held, key=held.__getitem__)
+            in_flight = held[victim]
             share = max(1, args.concurrency // (2 * replicas))
             if in_flight >= share or (in_flight and time.monotonic() > started + 5):
                 break
             time.sleep(0.1)
-        killed = server.replica(args.kill_replica)
+        killed = server.replica(victim)
         killed.kill()
         killed_at = time.monotonic()
         sender.join()
@@ -462,6 +474,10 @@ def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: di
                 rejoin_s = time.monotonic() - killed_at
                 break
             time.sleep(0.2)
+        # Where a cache-aware router sends prompts it has never seen depends on its trees, so the restarted
+        # replica's own answer is the check; the fresh prompts through the router show where they went.
+        restarted = client.post(f"{replica_url(client, server.metrics_url, victim)}/v1/completions",
+                                json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
         before = replica_metrics(client, server.metrics_url)
         fresh = pool_fillers(4 * replicas * 256, 257, vocab_size, args.seed + 99)  # distinct 256-token prompts
         asyncio.run(run_load(server.url, headers, fresh, [Planned(i, False, None) for i in range(len(fresh))],
@@ -473,11 +489,11 @@ def kill_under_load(server: ServerProcess, args: argparse.Namespace, headers: di
     other = [r for item, r in zip(load, results) if r.outcome == "error" and not _cut_stream(item, r)]
     completed = [r for r in results if r.outcome == "completed"]
     mismatched = [r for r in completed if r.spec in answers and r.texts != answers[r.spec]]
-    return {"replicas": replicas, "killed_replica": args.kill_replica, "killed_in_flight": int(in_flight),
+    return {"replicas": replicas, "killed_replica": victim, "killed_in_flight": int(in_flight),
             "requests": len(results), "completed": len(completed), "streams_cut_on_killed": len(cut),
             "errors_elsewhere": len(other), "mismatches": len(mismatched), "wall_s": round(wall, 2),
             "rejoin_s": None if rejoin_s is None else round(rejoin_s, 2), "fresh_requests_by_replica": served,
-            "full_strength": rejoin_s is not None and all(n > 0 for n in served.values()),
+            "restarted_answers": restarted, "full_strength": rejoin_s is not None and restarted,
             "first_errors": [asdict(r) for r in (other or cut)[:5]]}
 
 
@@ -510,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--settle-timeout", type=float, default=60.0, help="how long the server may take to idle")
     parser.add_argument("--kill-replica", type=int, dest="kill_replica",
-                        help="a fleet (the deployment's fleet section): SIGKILL this local replica under the load, "
-                             "then check that only its streams failed and that it rejoins (no cancellations)")
+                        help="a fleet (the deployment's fleet section): SIGKILL this local replica (-1: the one "
+                             "holding the most requests) under the load, then check that only its streams failed "
+                             "and that it rejoins (no cancellations)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     report = run(args) if args.kill_replica is None else run_kill(args)

@@ -389,14 +389,19 @@ class Frontend:
         self.check_model(body.model)
         return self._render(body, *await self._chat_ids(body, tool_request(body, self.tokenizer)))
 
+    @staticmethod
+    def _key(body: SamplingFields) -> str:
+        """The body as ASCII JSON: a lone surrogate in it is escaped here and refused by the tokenizer later."""
+        return json.dumps(body.model_dump(), default=str)
+
     def _render(self, body: SamplingFields, text: str, ids: list[int]) -> dict[str, Any]:
-        self._rendered[body.model_dump_json()] = (text, ids)
+        self._rendered[self._key(body)] = (text, ids)
         while len(self._rendered) > RENDERED_KEPT:
             self._rendered.popitem(last=False)
         return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": ids, "features": None}
 
     def _recall(self, body: SamplingFields) -> tuple[str, list[int]] | None:
-        return self._rendered.pop(body.model_dump_json(), None)
+        return self._rendered.pop(self._key(body), None) if self._rendered else None
 
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""
