@@ -13,10 +13,12 @@ import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
+from tqdm import tqdm
 
 from ..artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling, kv_variant
 from ..artifact.mindir import INDEX as MINDIR_INDEX
@@ -26,19 +28,22 @@ from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
 from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig, ExportOptions)
-from .kv_calibration import calibrate_kv_scales, linear_input_ranges, static_input_params
+from .kv_calibration import calibrate_kv_scales, calibration_windows, linear_input_ranges, static_input_params
 from .onnx.contiguous import naive_model
 from .onnx.graph_builder import OnnxBuilder
-from .quantize import quantize_weights
+from .onnx.slices import Slice, artifact_slices, carried_outputs, carry, checkpoint_slices, graph_sources, \
+    layer_groups, slice_feed
+from .onnx.weights_file import StreamedWeights, WeightsFile
+from .quantize import quantize_weights, w8a8_int8
+from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
 from .smoothquant import smooth
 from .tokenizer_files import write_tokenizer
 from ..graphs import contract as c
 from ..graphs import llama
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
-
-from ..graphs.kv_cache import cache_format
-from ..graphs.quant import Int8PerChannel
+from ..graphs.kv_cache import CacheFormat, cache_format
+from ..graphs.quant import Weight, form_of
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -56,12 +61,26 @@ class GearReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class OnnxWeights:
+    """What writing GRAPH left: each weight's initializer (a reference into WEIGHTS), each graph weight's form and
+    stored bytes. The KV-cache variants, the baseline and the slices of calibration and checks reuse them."""
+
+    initializers: dict[str, onnx.TensorProto]
+    forms: llama.WeightForms
+    nbytes: dict[str, int]
+
+
 def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None, force: bool = False,
            verbose: bool = False, calibration_text: str | None = None) -> Manifest:
     """Export `config` to `out_dir`; an interrupted export leaves no half artifact behind.
 
     `out_dir` must be a new path, an empty directory or an artifact (see `check_out_dir`).
     `calibration_text`: what int8 KV-cache scales are fitted on when export.kv_cache_calibration names no file.
+
+    The checkpoint is read one tensor at a time as the graph first needs it (converted, written to the weights file,
+    dropped), and calibration and the gear check run large models a slice of layers at a time, so memory stays at a
+    few tensors and one slice whatever the model's size; disk and memory are checked before any work starts.
     """
     log = log or sys.stderr
     out_dir = Path(out_dir)
@@ -73,33 +92,36 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     if own is not config:
         print(f"model.quantization: {raw.quantization} (the checkpoint's own blocks, read as they are)", file=log)
         config = own
-    checkpoint = _quantized(raw, config, log)
+    recorded = RecordedForms(_quantized(raw, config, log).tensors)
+    checkpoint = dataclasses.replace(raw, tensors=recorded)  # generation defaults and the rest kept
     model = checkpoint.config
     config = _implied_defaults(config, model, log)
     options = config.export
     gears = plan_gears(model, options)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    needs = export_needs(model, config, checkpoint_bytes(Path(raw.source)))
+    check_resources(needs, out_dir.parent, Path(tempfile.gettempdir()))
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; an artifact is meant to be shared
     try:
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
-        graph = None
+        written = None
         if "onnx" in options.formats:
-            forms = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level,
-                                config.model.dtype, staging)
-            graph = staging / GRAPH
+            written = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level,
+                                  config.model.dtype, staging, log)
         with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
             calibration = CalibrationSource(raw, options, calibration_text, Path(scratch))
-            kv_scales = _kv_scales(checkpoint, config, gears, graph, calibration, log)
+            kv_scales = _kv_scales(model, config, gears, staging, written, calibration, log)
             mindir_checkpoint, w8a8_inputs = _w8a8_static(raw, checkpoint, config, gears, calibration, log)
         del raw, calibration
-        if "onnx" in options.formats:
-            _write_kv_variants(checkpoint, config, forms, staging, kv_scales)
+        if written is not None:
+            _write_kv_variants(model, config, written, staging, kv_scales)
         if "mindir" in options.formats:
             from .mindspore.export import write_mindir
 
-            write_mindir(mindir_checkpoint, gears, options.max_model_len, options.block_size, options.target, staging, log,
+            write_mindir(dataclasses.replace(mindir_checkpoint, tensors=recorded.also(mindir_checkpoint.tensors)),
+                         gears, options.max_model_len, options.block_size, options.target, staging, log,
                          options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales,
                          w8a8_inputs)
         if options.baseline == "naive":
@@ -107,10 +129,10 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-        files = {str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        files = _checksums(staging, log)
         manifest = Manifest(
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
-            quantization=config.model.quantization, weight_formats=_weight_formats(checkpoint),
+            quantization=config.model.quantization, weight_formats=recorded.counts(),
             families={name: Family(GRAPH if "onnx" in options.formats else MINDIR_INDEX, family_gears)
                       for name, family_gears in gears.items()},
             files=files, export_config=config.model_dump(mode="json"),
@@ -118,13 +140,54 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                                  for name, value in checkpoint.generation_defaults.items()},
             exported_with=_versions(), kv_cache_dtypes=tuple(options.kv_cache_dtypes))
         (staging / MANIFEST).write_text(manifest.to_json())
-        reports = _verify_gears(staging, manifest, log) if options.verify_gears and "onnx" in options.formats else []
+        reports = _verify_gears(staging, manifest, written, kv_scales, log) \
+            if options.verify_gears and written is not None else []
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _summary(out_dir, manifest, reports, time.perf_counter() - started, log, verbose)
     return manifest
+
+
+class RecordedForms(Mapping[str, Weight]):
+    """Checkpoint tensors, each form noted as it is read: the manifest's weight_formats, without a second pass."""
+
+    def __init__(self, tensors: Mapping[str, Weight]) -> None:
+        self._tensors = tensors
+        self._forms: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> Weight:
+        w = self._tensors[name]
+        self._forms[name] = _form_name(w)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def also(self, tensors: Mapping[str, Weight]) -> "RecordedForms":
+        """Other tensors of the same names (the MINDIR's smoothed ones), noted here as they are read."""
+        view = RecordedForms(tensors)
+        view._forms = self._forms
+        return view
+
+    def counts(self) -> dict[str, int]:
+        """How many checkpoint tensors are held in each form ("float32", "Q4_1", "rtn-int8-per-channel", ...); a
+        tensor the export never read is read now."""
+        for name in self._tensors:
+            if name not in self._forms:
+                self[name]
+        found: dict[str, int] = {}
+        for form in self._forms.values():
+            found[form] = found.get(form, 0) + 1
+        return dict(sorted(found.items()))
+
+
+def _form_name(w: Weight) -> str:
+    return "float32" if isinstance(w, np.ndarray) else w.source
 
 
 def _implied_defaults(config: ExportConfig, model: ModelConfig, log: TextIO) -> ExportConfig:
@@ -207,7 +270,7 @@ def _umask() -> int:
 
 
 def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Checkpoint:
-    """The checkpoint with its linears quantized round-to-nearest where `model.quantization` asks for it."""
+    """The checkpoint with its linears quantized round-to-nearest (as each is read) where `model.quantization` asks."""
     if config.model.quantization not in ("w8a16", "w4a16", "w8a8"):
         return checkpoint
     print(f"quantizing weights {config.model.quantization} (round to nearest"
@@ -216,35 +279,34 @@ def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Che
     return dataclasses.replace(checkpoint, tensors=tensors)  # generation defaults and the rest kept
 
 
-def _weight_formats(checkpoint: Checkpoint) -> dict[str, int]:
-    """How many checkpoint tensors are held in each form ("float32", "Q4_1", "rtn-int8-per-channel", ...)."""
-    counts: dict[str, int] = {}
-    for w in checkpoint.tensors.values():
-        form = "float32" if isinstance(w, np.ndarray) else w.source
-        counts[form] = counts.get(form, 0) + 1
-    return dict(sorted(counts.items()))
+def _bar(log: TextIO, total: float, desc: str, unit: str) -> tqdm:
+    """A stage's progress bar with its ETA (refreshed at most once a second)."""
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=log, mininterval=1.0, leave=False)
 
 
 def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, dtype: str,
-                out: Path) -> llama.WeightForms:
-    """GRAPH (its KV cache in the compute dtype, kv_cache.dtype auto) and WEIGHTS; returns the weights' forms
-    (the other KV-cache variants are built with the same)."""
-    weights = llama.graph_weights(checkpoint.config, checkpoint.tensors, max_positions, dtype)
-    forms = llama.WeightForms.of(weights, accuracy_level)
-    builder = OnnxBuilder(checkpoint.config, llama.graph_arrays(weights), dtype)  # pools of the compute dtype
-    llama.build(builder, checkpoint.config, block_size, forms, dtype)
-    model = builder.model("pagedgraph")
-    onnx.checker.check_model(model, full_check=True)
+                out: Path, log: TextIO) -> OnnxWeights:
+    """GRAPH (its KV cache in the compute dtype, kv_cache.dtype auto) and WEIGHTS, one graph weight at a time: the
+    model definition's first read of a weight converts it from the checkpoint and appends it to WEIGHTS."""
+    model = checkpoint.config
+    params = graph_weight_params(model, max_positions)
     (out / GRAPH).parent.mkdir(parents=True)
-    onnx.save_model(model, out / GRAPH, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=Path(WEIGHTS).name, size_threshold=0)
-    return forms
+    with WeightsFile(out / WEIGHTS) as weights, _bar(log, sum(params.values()), "converting weights", "") as bar:
+        store = StreamedWeights(graph_sources(model), functools.partial(
+            llama.graph_weight, model, checkpoint.tensors, max_positions=max_positions, dtype=dtype), weights,
+            lambda name: bar.update(params[name]))
+        builder = OnnxBuilder(model, store.initializer, dtype)  # pools of the compute dtype
+        llama.build(builder, model, block_size, llama.WeightForms(store.forms, accuracy_level), dtype)
+        graph = builder.model("pagedgraph")
+    onnx.save_model(graph, out / GRAPH)
+    onnx.checker.check_model(out / GRAPH, full_check=True)
+    return OnnxWeights(store.written, llama.WeightForms(store.known_forms(), accuracy_level), store.nbytes)
 
 
 class CalibrationSource:
-    """What both calibrations (int8 KV-cache scales, Ascend W8A8 input scales) run over, made at most once per
-    export: the calibration text's token ids, and the float32 graph of the checkpoint as read (before RTN
-    quantization), written into `scratch` on first use."""
+    """What both calibrations (int8 KV-cache scales, Ascend W8A8 input scales) run over: the calibration text's
+    token ids (tokenized once), and the float32 graph of the checkpoint as read (before RTN quantization), in
+    slices whose weights are written to `scratch` as each is reached."""
 
     def __init__(self, raw: Checkpoint, options: ExportOptions, default_text: str | None, scratch: Path) -> None:
         self._raw, self._options, self._default_text, self._scratch = raw, options, default_text, scratch
@@ -255,25 +317,41 @@ class CalibrationSource:
         return _calibration_tokens(self._raw, self._options.kv_cache_calibration, self._default_text)
 
     @functools.cached_property
-    def float32_graph(self) -> Path:
+    def groups(self) -> list[tuple[int, ...]]:
+        params = graph_weight_params(self._raw.config, self._options.max_model_len)
+        return layer_groups(self._raw.config, lambda name: 4 * params[name])
+
+    def float32_slices(self) -> Iterator[Slice]:
         options = self._options
-        _write_onnx(self._raw, options.max_model_len, options.block_size, options.accuracy_level, "float32",
-                    self._scratch)
-        return self._scratch / GRAPH
+        return checkpoint_slices(self._raw.config, self._raw.tensors, options.max_model_len, options.block_size,
+                                 options.accuracy_level, self._scratch, self.groups)
 
 
-def _kv_scales(checkpoint: Checkpoint, config: ExportConfig, gears: dict[str, tuple[Gear, ...]],
-               graph: Path | None, calibration: CalibrationSource, log: TextIO) -> dict[str, np.ndarray]:
-    """The int8 KV-cache parameters, calibrated once on the exported ONNX `graph` (the calibration's float32
-    graph when the export writes no ONNX, or one whose pools are not float32: model.dtype bfloat16) and shared
-    by the ONNX and MINDIR int8 graphs; {} without int8."""
-    options, model = config.export, checkpoint.config
+def _calibration_bar(log: TextIO, groups: list[tuple[int, ...]], options: ExportOptions,
+                     gears: dict[str, tuple[Gear, ...]], tokens: list[int], what: str) -> tqdm:
+    windows = calibration_windows(tokens, options.kv_cache_calibration_window, gears[c.PREFILL], options.block_size)
+    return _bar(log, len(groups) * len(windows), f"calibrating {what}" + (
+        f" ({len(groups)} slices of layers)" if len(groups) > 1 else ""), "window")
+
+
+def _kv_scales(model: ModelConfig, config: ExportConfig, gears: dict[str, tuple[Gear, ...]], staging: Path,
+               written: OnnxWeights | None, calibration: CalibrationSource, log: TextIO) -> dict[str, np.ndarray]:
+    """The int8 KV-cache parameters, calibrated once on the exported ONNX graph (the calibration's float32 graph
+    when the export writes no ONNX, or one whose pools are not float32: model.dtype bfloat16) and shared by the
+    ONNX and MINDIR int8 graphs; {} without int8."""
+    options = config.export
     if not any(cache_format(d).quantized for d in options.kv_cache_dtypes):
         return {}
     tokens, source = calibration.tokens
-    fitted_on = graph if graph is not None and config.model.dtype == "float32" else calibration.float32_graph
-    scales, windows = calibrate_kv_scales(fitted_on, model, gears[c.PREFILL],
-                                          options.block_size, tokens, options.kv_cache_calibration_window)
+    if written is not None and config.model.dtype == "float32":
+        groups = layer_groups(model, lambda name: written.nbytes.get(name, 0))
+        slices = artifact_slices(staging / GRAPH, model, options.block_size, written.forms, "float32",
+                                 written.initializers, groups)
+    else:
+        groups, slices = calibration.groups, calibration.float32_slices()
+    with _calibration_bar(log, groups, options, gears, tokens, "int8 KV-cache scales") as bar:
+        scales, windows = calibrate_kv_scales(slices, model, gears[c.PREFILL], options.block_size, tokens,
+                                              options.kv_cache_calibration_window, bar.update)
     print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
     return scales
 
@@ -282,16 +360,18 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
                  calibration: CalibrationSource, log: TextIO) -> tuple[Checkpoint, dict[str, tuple[float, int]]]:
     """Ascend W8A8 (MindIE's static form): the checkpoint the MINDIR quantizes (norm-fed linears smoothed,
     exporter/smoothquant.py) and each int8 linear's per-tensor input (scale, offset), calibrated on the float32
-    graph of the unquantized checkpoint (written to a scratch folder) over the calibration text; every other
-    export: `checkpoint` as it is and {}."""
+    graph of the unquantized checkpoint (slice by slice) over the calibration text; every other export:
+    `checkpoint` as it is and {}."""
     options = config.export
     if config.model.quantization != "w8a8" or options.target != "ascend" or "mindir" not in options.formats:
         return checkpoint, {}
-    linears = [name for name, w in llama.graph_weights(checkpoint.config, checkpoint.tensors, 1).items()
-               if isinstance(w, Int8PerChannel)]
+    linears = [name for name, sources in llama.graph_weight_sources(raw.config).items()
+               if all(w8a8_int8(s) for s in sources)]
     tokens, source = calibration.tokens
-    ranges, windows = linear_input_ranges(calibration.float32_graph, raw.config, gears[c.PREFILL], options.block_size,
-                                          tokens, options.kv_cache_calibration_window, linears)
+    with _calibration_bar(log, calibration.groups, options, gears, tokens, "W8A8 input scales") as bar:
+        ranges, windows = linear_input_ranges(calibration.float32_slices(), raw.config, gears[c.PREFILL],
+                                              options.block_size, tokens, options.kv_cache_calibration_window,
+                                              linears, bar.update)
     print(f"calibrated W8A8 static input scales of {len(ranges)} linears on {source}: {len(tokens)} tokens in "
           f"{windows} windows; SmoothQuant alpha {options.w8a8_smoothing}", file=log)
     if options.w8a8_smoothing is not None:  # the smoothed weights are quantized again; unsmoothed, `checkpoint` is
@@ -300,28 +380,35 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
     return checkpoint, {name: static_input_params(*ranges[name]) for name in linears}
 
 
-def _write_kv_variants(checkpoint: Checkpoint, config: ExportConfig, forms: llama.WeightForms, out: Path,
+def _scale_initializers(scales: dict[str, np.ndarray]) -> dict[str, onnx.TensorProto]:
+    """An int8 cache's calibrated per-channel parameters: small inline initializers of its own graphs."""
+    return {name: numpy_helper.from_array(array, name) for name, array in scales.items()}
+
+
+def _write_kv_variants(model: ModelConfig, config: ExportConfig, written: OnnxWeights, out: Path,
                        scales: dict[str, np.ndarray]) -> None:
     """One graph per extra KV-cache dtype, beside GRAPH and reading its weights file (kv_variant names them).
 
-    int8 graphs carry their calibrated per-channel `scales` as small inline parameters of their own.
-    """
-    options, model = config.export, checkpoint.config
-    extra = [d for d in options.kv_cache_dtypes if d != config.model.dtype]
-    paged = onnx.load_model(out / GRAPH, load_external_data=False)
-    external = {t.name: t for t in paged.graph.initializer}
-    for kv_cache_dtype in extra:
-        own = scales if cache_format(kv_cache_dtype).quantized else {}
-        builder = OnnxBuilder(model, {**{name: np.zeros(0, np.float32) for name in external}, **own}, kv_cache_dtype)
-        llama.build(builder, model, options.block_size, forms, kv_cache_dtype)
-        variant = builder.model("pagedgraph")
-        initializers = variant.graph.initializer
-        shared = [external.get(t.name, t) for t in initializers]  # the weights: references into WEIGHTS
-        del initializers[:]
-        initializers.extend(shared)
+    int8 graphs carry their calibrated per-channel `scales` as small inline parameters of their own."""
+    options = config.export
+    for kv_cache_dtype in [d for d in options.kv_cache_dtypes if d != config.model.dtype]:
+        own = _scale_initializers(scales) if cache_format(kv_cache_dtype).quantized else {}
+        builder = OnnxBuilder(model, {**written.initializers, **own}.__getitem__, kv_cache_dtype)
+        llama.build(builder, model, options.block_size, written.forms, kv_cache_dtype)
         path = out / kv_variant(GRAPH, kv_cache_dtype, config.model.dtype)
-        onnx.save_model(variant, path)
+        onnx.save_model(builder.model("pagedgraph"), path)
         onnx.checker.check_model(path, full_check=True)
+
+
+def _checksums(staging: Path, log: TextIO) -> dict[str, str]:
+    """Every file's sha256 (the manifest's), with a progress bar over the bytes read."""
+    paths = [p for p in sorted(staging.rglob("*")) if p.is_file()]
+    with _bar(log, sum(p.stat().st_size for p in paths), "checksums", "B") as bar:
+        files = {}
+        for path in paths:
+            files[str(path.relative_to(staging))] = file_sha256(path)
+            bar.update(path.stat().st_size)
+    return files
 
 
 def _calibration_tokens(checkpoint: Checkpoint, text_file: str | None, default_text: str | None
@@ -351,48 +438,104 @@ def _write_naive(model: ModelConfig, block_size: int, out: Path, kv_cache_dtype:
     onnx.checker.check_model(path, full_check=True)
 
 
-def _verify_gears(artifact: Path, manifest: Manifest, log: TextIO,
-                  clock: Callable[[], float] = time.perf_counter) -> list[GearReport]:
-    """Run the smallest and largest gear of each family once on a tiny pool (each other KV-cache dtype's
-    graph: its smallest gears).
+def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_scales: dict[str, np.ndarray],
+                  log: TextIO, clock: Callable[[], float] = time.perf_counter) -> list[GearReport]:
+    """Run the smallest and largest gear of each family once on a tiny pool (each other KV-cache dtype's graph: its
+    smallest gears), over the weights file as written (memory-mapped, never in a model proto).
 
-    Every gear shares one symbolic graph, so its ends prove the shapes the runtime feeds load and run.
-    """
-    import onnxruntime as ort
-
+    Every gear shares one symbolic graph, so its ends prove the shapes the runtime feeds load and run. A model
+    larger than one slice of layers (exporter/onnx/slices.py) runs slice by slice: the smallest gears through
+    every layer, the largest through the first and last slices (the layers between run the same shapes). Where
+    even one slice does not fit the available memory, nothing runs and the export says so."""
     model = manifest.model
+    groups = layer_groups(model, lambda name: written.nbytes.get(name, 0))
+    largest = max(sum(written.nbytes.get(n, 0) for n in _group_weights(model, g)) for g in groups)
+    have = available_memory()
+    if have is not None and 2.5 * largest > have:
+        print(f"did not verify the gears: running {len(groups[0])} layer(s) at a time maps and prepacks about "
+              f"{2.5 * largest / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available; the artifact is complete "
+              "(check it with `pagedgraph generate` where it fits)", file=log)
+        return []
+    if len(groups) > 1:
+        mapped = sum(written.nbytes.values()) / 2**30
+        print(f"verifying in {len(groups)} slices of layers (the whole graph maps {mapped:.1f} GiB): the smallest "
+              "gears through every layer, the largest through the first and last slices", file=log)
     max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
-    checks = [(family, gear, dtype) for dtype in manifest.served_kv_cache_dtypes
-              for family, spec in manifest.families.items()
-              for gear in sorted({min(spec.gears), max(spec.gears)} if dtype == manifest.dtype else {min(spec.gears)})]
-    sessions: dict[str, ort.InferenceSession] = {}
     reports = []
-    for family, gear, dtype in checks:
-        graph = kv_variant(GRAPH, dtype, manifest.dtype)
-        session = sessions.get(graph) or sessions.setdefault(graph, ort.InferenceSession(
-            str(artifact / graph), providers=["CPUExecutionProvider"]))
+    total = sum(len(manifest.families) * (2 if d == manifest.dtype else 1) for d in manifest.served_kv_cache_dtypes)
+    for dtype in manifest.served_kv_cache_dtypes:
+        smallest = {family: min(spec.gears) for family, spec in manifest.families.items()}
+        checks = [(family, gear) for family, spec in manifest.families.items()
+                  for gear in sorted({min(spec.gears), max(spec.gears)} if dtype == manifest.dtype
+                                     else {min(spec.gears)})]
+        own = _scale_initializers(kv_scales) if cache_format(dtype).quantized else {}
+        slices = artifact_slices(artifact / kv_variant(GRAPH, dtype, manifest.dtype), model, manifest.block_size,
+                                 written.forms, dtype, {**written.initializers, **own}, groups)
         fmt = cache_format(dtype)
         pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
-        binding = session.io_binding()
-        for name in c.cache_names(model.num_layers):  # one zero pool for all (written only in the null block)
+        carried: dict[tuple[str, Gear], dict[str, np.ndarray]] = {check: {} for check in checks}
+        seconds = dict.fromkeys(checks, 0.0)
+        logits = {check: np.zeros((check[1].seqs, model.vocab_size), np.float32) for check in checks}
+        for index, part in enumerate(slices):
+            session = part.session()
+            for family, gear in checks:
+                if gear != smallest[family] and 0 < index < len(groups) - 1:
+                    continue
+                run = _verify_binding(session, part, model, gear, pool, fmt, carried[family, gear],
+                                      logits[family, gear])
+                start = clock()
+                session.run_with_iobinding(run.binding)
+                seconds[family, gear] += clock() - start
+                carried[family, gear] = carry(run.handed_on)
+            del session
+        for family, gear in checks:
+            reports.append(GearReport(family, gear, seconds[family, gear]))
+            if not np.isfinite(logits[family, gear][0]).all():
+                raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad logits")
+            print(f"[verify {len(reports)}/{total}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
+                  f"{dtype} KV ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
+    return reports
+
+
+def _group_weights(model: ModelConfig, layers: tuple[int, ...]) -> list[str]:
+    """The graph weights a slice of `layers` reads (the embedding or the LM head at the ends)."""
+    names = [n for n in llama.graph_weight_names(model) if any(n.startswith(f"layers.{i}.") for i in layers)]
+    if layers[0] == 0:
+        names.append("embed")
+    if layers[-1] + 1 == model.num_layers:
+        names += ["final_norm"] + ([] if model.tie_word_embeddings else ["lm_head"])
+    return names
+
+
+@dataclass(frozen=True)
+class _VerifyRun:
+    binding: Any
+    handed_on: list[np.ndarray]  # the residual stream the slice writes (filled by the run)
+
+
+def _verify_binding(session: Any, part: Slice, model: ModelConfig, gear: Gear, pool: np.ndarray, fmt: CacheFormat,
+                    carried: dict[str, np.ndarray], logits: np.ndarray) -> _VerifyRun:
+    """One slice's run of `gear`: one real query token, the rest padding; every pool the same zero buffer (written
+    only in the null block), bound as input and output."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    for i in part.layers:
+        for name in (c.k_cache_name(i), c.v_cache_name(i)):
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool.view(f"u{fmt.itemsize}"), fmt.onnx_type)
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(c.cache_output_name(name), value)
-        feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
-        feed[c.CU_SEQLENS_Q][1:] = 1  # one real query token, the rest padding
-        feed[c.CONTEXT_LENS][0] = 1
-        for name, array in feed.items():
-            binding.bind_cpu_input(name, array)
-        logits = np.zeros((gear.seqs, model.vocab_size), np.float32)
+    feed = {name: np.zeros(shape, c.INPUT_DTYPES[name]) for name, shape in gear.input_shapes().items()}
+    feed[c.CU_SEQLENS_Q][1:] = 1
+    feed[c.CONTEXT_LENS][0] = 1
+    for name, array in slice_feed(session, feed, carried).items():
+        binding.bind_cpu_input(name, array)
+    handed_on = [np.zeros((gear.tokens, model.hidden_size), np.float32) for _ in carried_outputs(part.layers, model)]
+    for name, array in zip(carried_outputs(part.layers, model), handed_on):
+        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+    if not handed_on:
         binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-        start = clock()
-        session.run_with_iobinding(binding)
-        reports.append(GearReport(family, gear, clock() - start))
-        if not np.isfinite(logits[0]).all():
-            raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad logits")
-        print(f"[verify {len(reports)}/{len(checks)}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
-              f"{dtype} KV ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
-    return reports
+    return _VerifyRun(binding, handed_on)
 
 
 def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: float, log: TextIO,

@@ -2,22 +2,24 @@
 per-channel scales, and W8A8's per-tensor activation scales (MindIE's input_scale / input_offset).
 
 The text is cut into windows, each prefilled as its own sequence from position 0 (as prompts are
-served), and every layer's K and V rows are read back from the float32 pools. Each channel's
-[min, max] over all windows becomes one asymmetric int8 range (graphs/kv_cache.int8_params): ATB's
+served), and every layer's K and V rows are read back from the float32 pools. A large model runs in slices of a
+few layers (exporter/onnx/slices.py), every window through one slice before the next: memory stays bounded.
+Each channel's [min, max] over all windows becomes one asymmetric int8 range (graphs/kv_cache.int8_params): ATB's
 static kDescale/kOffset form, so the same numbers serve ONNX Runtime here and MindIE on Ascend.
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import onnx
 
 from ..graphs import contract as c
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
 from ..graphs.kv_cache import INT8_MAX, INT8_MIN, SCALE_FIELDS, int8_params, scale_weight_name
+from .onnx.slices import Slice, carried_outputs, carry, slice_feed
 
 
 def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str, np.ndarray]:
@@ -47,37 +49,49 @@ def calibration_windows(token_ids: Sequence[int], window: int, gears: Sequence[G
     return windows
 
 
-def channel_ranges(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                   windows: Sequence[Sequence[int]], outputs: dict[str, int]
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per-channel [min, max] of the float32 `graph`'s `outputs` over the calibration windows, each prefilled
-    on its own. `outputs`: name -> the row its window's first token lands in (pools: block_size; a graph
-    value of the step's tokens: 0); each window's rows follow."""
-    import onnxruntime as ort
+def channel_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                   windows: Sequence[Sequence[int]], outputs: Callable[[Slice, onnx.ModelProto], dict[str, int]],
+                   progress: Callable[[], None] = lambda: None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-channel [min, max] of graph values over the calibration windows, each prefilled on its own, through the
+    float32 graph's `slices` in order (each slice's session made, run over every window, then dropped).
 
-    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    names = c.cache_names(model.num_layers)
+    `outputs(slice, proto)` names the values to read in a slice (it may add them to `proto` as graph outputs) and
+    the row its window's first token lands in (pools: block_size; a graph value of the step's tokens: 0); each
+    window's rows follow."""
     ranges: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for tokens in windows:
-        gear = min(g for g in gears if g.tokens >= len(tokens) and g.blocks * block_size >= len(tokens))
-        pools = {name: np.zeros(((gear.blocks + 1) * block_size, model.kv_size), np.float32) for name in names}
-        values = session.run(list(outputs), {**window_feed(gear, tokens, block_size), **pools})
-        for (name, first), value in zip(outputs.items(), values):
-            rows = value[first:first + len(tokens)]
-            low, high = ranges.get(name, (np.full(rows.shape[1], np.inf, np.float32),
-                                          np.full(rows.shape[1], -np.inf, np.float32)))
-            ranges[name] = (np.minimum(low, rows.min(axis=0)), np.maximum(high, rows.max(axis=0)))
+    carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
+    for part in slices:
+        proto = part.proto()
+        wanted = outputs(part, proto)
+        session = part.session(proto)
+        handed_on = carried_outputs(part.layers, model)
+        names = [c.k_cache_name(i) for i in part.layers] + [c.v_cache_name(i) for i in part.layers]
+        for w, tokens in enumerate(windows):
+            gear = min(g for g in gears if g.tokens >= len(tokens) and g.blocks * block_size >= len(tokens))
+            pools = {name: np.zeros(((gear.blocks + 1) * block_size, model.kv_size), np.float32) for name in names}
+            feed = slice_feed(session, {**window_feed(gear, tokens, block_size), **pools}, carried[w])
+            values = session.run(list(wanted) + handed_on, feed)
+            carried[w] = carry(values[len(wanted):])
+            for (name, first), value in zip(wanted.items(), values):
+                rows = value[first:first + len(tokens)]
+                low, high = ranges.get(name, (np.full(rows.shape[1], np.inf, np.float32),
+                                              np.full(rows.shape[1], -np.inf, np.float32)))
+                ranges[name] = (np.minimum(low, rows.min(axis=0)), np.maximum(high, rows.max(axis=0)))
+            progress()
+        del session
     return ranges
 
 
-def calibrate_kv_scales(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                        token_ids: Sequence[int], window: int) -> tuple[dict[str, np.ndarray], int]:
-    """int8 scale parameters of every layer (graph parameter name -> array) from the float32 `graph`, and
+def calibrate_kv_scales(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                        token_ids: Sequence[int], window: int, progress: Callable[[], None] = lambda: None
+                        ) -> tuple[dict[str, np.ndarray], int]:
+    """int8 scale parameters of every layer (graph parameter name -> array) from the float32 graph's `slices`, and
     the number of windows they were fitted on."""
     windows = calibration_windows(token_ids, window, gears, block_size)
-    names = c.cache_names(model.num_layers)
-    ranges = channel_ranges(graph, model, gears, block_size, windows,
-                            {c.cache_output_name(n): block_size for n in names})
+    ranges = channel_ranges(slices, model, gears, block_size, windows,
+                            lambda part, proto: {c.cache_output_name(n): block_size
+                                                 for i in part.layers for n in (c.k_cache_name(i), c.v_cache_name(i))},
+                            progress)
     weights: dict[str, np.ndarray] = {}
     for layer in range(model.num_layers):
         for kv, name in (("k", c.k_cache_name(layer)), ("v", c.v_cache_name(layer))):
@@ -88,28 +102,28 @@ def calibrate_kv_scales(graph: Path, model: ModelConfig, gears: Sequence[Gear], 
     return weights, len(windows)
 
 
-def linear_input_ranges(graph: Path, model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                        token_ids: Sequence[int], window: int, linears: Sequence[str]
+def linear_input_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
+                        token_ids: Sequence[int], window: int, linears: Sequence[str],
+                        progress: Callable[[], None] = lambda: None
                         ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
     """Per-channel [min, max] of the input of each of `linears` (graph weight names) over the calibration
-    windows in the float32 `graph` (whose Gemm nodes read those weights), and the number of windows."""
-    import onnx
-
+    windows in the float32 graph's `slices` (whose Gemm nodes read those weights), and the number of windows."""
     windows = calibration_windows(token_ids, window, gears, block_size)
-    proto = onnx.load_model(graph, load_external_data=False)
-    inputs = {node.input[1]: node.input[0] for node in proto.graph.node
-              if node.op_type == "Gemm" and node.input[1] in linears}
+    inputs: dict[str, str] = {}
+
+    def probe(part: Slice, proto: onnx.ModelProto) -> dict[str, int]:
+        """The inputs of the slice's Gemm nodes reading `linears`, added to its outputs."""
+        found = {node.input[1]: node.input[0] for node in proto.graph.node
+                 if node.op_type == "Gemm" and node.input[1] in linears}
+        inputs.update(found)
+        proto.graph.output.extend(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)
+                                  for x in dict.fromkeys(found.values()))
+        return {x: 0 for x in found.values()}
+
+    ranges = channel_ranges(slices, model, gears, block_size, windows, probe, progress)
     missing = sorted(set(linears) - set(inputs))
     if missing:
         raise ValueError(f"the calibration graph has no Gemm reading {missing}")
-    proto.graph.output.extend(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)
-                              for x in dict.fromkeys(inputs.values()))
-    probe = graph.with_name(f"{graph.stem}.calibration{graph.suffix}")  # beside the graph: its external weights
-    onnx.save_model(proto, probe)
-    try:
-        ranges = channel_ranges(probe, model, gears, block_size, windows, {x: 0 for x in inputs.values()})
-    finally:
-        probe.unlink()
     return {name: ranges[x] for name, x in inputs.items()}, len(windows)
 
 

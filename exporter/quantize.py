@@ -14,11 +14,11 @@ Both never saturate a row's or group's largest weight (what RTN keeps exact is i
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
-from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
+from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight, row_chunks
 
 # MatMulNBits' MLAS kernels take blocks of 16..256 (powers of two).
 BLOCK_SIZES = (256, 128, 64, 32, 16)
@@ -39,9 +39,11 @@ def _row_block(k: int) -> int:
 def int8_per_channel(w: np.ndarray) -> BlockQuantized:
     n, k = w.shape
     block = _row_block(k)
-    scale = np.abs(w).max(axis=1, keepdims=True).astype(np.float32) / np.float32(127)
-    scale[scale == 0] = 1
-    q = (np.clip(np.rint(w / scale), -127, 127) + 128).astype(np.uint8)
+    q, scale = np.empty((n, k), np.uint8), np.empty((n, 1), np.float32)
+    for rows in row_chunks(n, k):  # row by row, exactly: every value depends on its row alone
+        part = np.abs(w[rows]).max(axis=1, keepdims=True).astype(np.float32) / np.float32(127)
+        part[part == 0] = 1
+        q[rows], scale[rows] = np.clip(np.rint(w[rows] / part), -127, 127) + 128, part
     blocks = k // block
     return BlockQuantized(q, np.repeat(scale, blocks, axis=1), np.full((n, blocks), 128, np.uint8), None, 8, block,
                           "rtn-int8-per-channel")
@@ -61,11 +63,15 @@ def int4_groupwise(w: np.ndarray, group_size: int) -> BlockQuantized:
         fits = [s for s in BLOCK_SIZES if k % s == 0]
         raise ValueError(f"model.group_size = {group_size} does not divide this model's input width {k}; "
                          f"use {fits[0] if fits else 16} or another power of two dividing {k}")
-    groups = w.reshape(n, k // group_size, group_size)
-    low = _float16_at_most(groups.min(axis=2).astype(np.float32))
-    scale = (groups.max(axis=2).astype(np.float32) - low) / np.float32(15)
-    scale[scale == 0] = 1
-    q = np.clip(np.rint((groups - low[:, :, None]) / scale[:, :, None]), 0, 15).astype(np.uint8)
+    blocks = k // group_size
+    q, low, scale = np.empty((n, blocks, group_size), np.uint8), np.empty((n, blocks), np.float32), \
+        np.empty((n, blocks), np.float32)
+    for rows in row_chunks(n, k):  # group by group, exactly
+        groups = w[rows].reshape(-1, blocks, group_size)
+        low[rows] = _float16_at_most(groups.min(axis=2).astype(np.float32))
+        scale[rows] = (groups.max(axis=2).astype(np.float32) - low[rows]) / np.float32(15)
+        scale[rows][scale[rows] == 0] = 1
+        q[rows] = np.clip(np.rint((groups - low[rows][:, :, None]) / scale[rows][:, :, None]), 0, 15)
     # The group's min as an exact additive term (GGUF Q4_1's form) rather than a rounded zero point: a zero point
     # must be an integer code, so a group not spanning 0 loses levels (measured: perplexity 1.22x fp32 at groups
     # of 32 with zero points, docs/performance.md).
@@ -73,22 +79,47 @@ def int4_groupwise(w: np.ndarray, group_size: int) -> BlockQuantized:
                           f"rtn-int4-g{group_size}")
 
 
-def quantize_weights(tensors: Mapping[str, Weight], quantization: str, group_size: int) -> dict[str, Weight]:
-    """Canonical checkpoint tensors with every linear (and the embedding) quantized round-to-nearest.
+def w8a8_int8(name: str) -> bool:
+    """Whether w8a8 makes checkpoint tensor `name` an `Int8PerChannel` (every linear of the layers but down_proj)."""
+    return _is_linear(name) and ".mlp.down_proj." not in name
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{part}." in name for part in _LINEARS)
+
+
+def quantize_tensor(name: str, w: Weight, quantization: str, group_size: int) -> Weight:
+    """One canonical checkpoint tensor in its quantized form (see `quantize_weights`)."""
+    dense = np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32)
+    if _is_linear(name):
+        if quantization == "w8a8":
+            return Int8PerChannel.quantize(dense) if w8a8_int8(name) else int8_per_channel(dense)
+        return int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return int8_per_channel(dense)
+    return dense
+
+
+class QuantizedTensors(Mapping[str, Weight]):
+    """Checkpoint tensors quantized when read (`quantize_tensor`), one at a time: nothing is kept."""
+
+    def __init__(self, tensors: Mapping[str, Weight], quantization: str, group_size: int) -> None:
+        self._tensors, self._quantization, self._group_size = tensors, quantization, group_size
+
+    def __getitem__(self, name: str) -> Weight:
+        return quantize_tensor(name, self._tensors[name], self._quantization, self._group_size)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def quantize_weights(tensors: Mapping[str, Weight], quantization: str, group_size: int) -> QuantizedTensors:
+    """Canonical checkpoint tensors with every linear (and the embedding) quantized round-to-nearest, each when read.
 
     w4a16 keeps the embedding / tied LM head at int8 per channel: it is read for every token's logits,
     and at 4 bits it costs the most perplexity for the least size (measured in docs/performance.md).
     """
-    out: dict[str, Weight] = {}
-    for name, w in tensors.items():
-        dense = np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32)
-        if name.endswith(".weight") and any(f".{part}." in name for part in _LINEARS):
-            if quantization == "w8a8":
-                out[name] = int8_per_channel(dense) if ".mlp.down_proj." in name else Int8PerChannel.quantize(dense)
-            else:
-                out[name] = int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = int8_per_channel(dense)
-        else:
-            out[name] = dense
-    return out
+    return QuantizedTensors(tensors, quantization, group_size)

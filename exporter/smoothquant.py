@@ -8,7 +8,7 @@ unchanged, and the division folds exactly into the norm's weight, so the graph g
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -21,10 +21,12 @@ _FED_BY_NORM = {"qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_pro
 
 def smooth(tensors: Mapping[str, Weight], num_layers: int,
            ranges: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float
-           ) -> tuple[dict[str, Weight], dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Float checkpoint tensors with every norm-fed linear's input smoothed, and the input ranges (`ranges`:
-    graph linear name -> per-channel [min, max]) as they become."""
-    out, moved = dict(tensors), dict(ranges)
+           ) -> tuple["SmoothedTensors", dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Float checkpoint tensors with every norm-fed linear's input smoothed (applied as each tensor is read; the
+    factors come from one pass over the linears, one tensor at a time), and the input ranges (`ranges`: graph
+    linear name -> per-channel [min, max]) as they become."""
+    factors: dict[str, tuple[bool, np.ndarray]] = {}  # tensor -> (divided, s)
+    moved = dict(ranges)
     for i in range(num_layers):
         for linear, (norm, parts) in _FED_BY_NORM.items():
             name = f"layers.{i}.{linear}"
@@ -33,12 +35,30 @@ def smooth(tensors: Mapping[str, Weight], num_layers: int,
             low, high = ranges[name]
             weights = [f"model.layers.{i}.{part}.weight" for part in parts]
             activation = np.maximum(np.abs(low), np.abs(high)).astype(np.float64)
-            weight = np.max([np.abs(np.asarray(out[w], np.float64)).max(axis=0) for w in weights], axis=0)
+            weight = np.max([np.abs(np.asarray(tensors[w], np.float64)).max(axis=0) for w in weights], axis=0)
             s = np.where((activation > 0) & (weight > 0),
                          activation ** alpha / np.maximum(weight, 1e-8) ** (1 - alpha), 1.0)
-            gamma = f"model.layers.{i}.{norm}.weight"
-            out[gamma] = (np.asarray(out[gamma], np.float64) / s).astype(np.float32)
-            for w in weights:
-                out[w] = (np.asarray(out[w], np.float64) * s).astype(np.float32)
+            factors[f"model.layers.{i}.{norm}.weight"] = (True, s)
+            factors.update({w: (False, s) for w in weights})
             moved[name] = ((low / s).astype(np.float32), (high / s).astype(np.float32))
-    return out, moved
+    return SmoothedTensors(tensors, factors), moved
+
+
+class SmoothedTensors(Mapping[str, Weight]):
+    """`tensors` with each smoothed norm weight divided by its factors and each linear's columns multiplied, as read."""
+
+    def __init__(self, tensors: Mapping[str, Weight], factors: Mapping[str, tuple[bool, np.ndarray]]) -> None:
+        self._tensors, self._factors = tensors, factors
+
+    def __getitem__(self, name: str) -> Weight:
+        if name not in self._factors:
+            return self._tensors[name]
+        divided, s = self._factors[name]
+        w = np.asarray(self._tensors[name], np.float64)
+        return (w / s if divided else w * s).astype(np.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)

@@ -7,7 +7,7 @@ decode alike), and only the rows in `logits_indices` reach the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, TypeVar
+from typing import Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .kv_cache import DEQUANT_INPUTS, QUANT_INPUTS, SCALE_FIELDS, cache_format, scale_weight_name
 from .ops.linear_bf16 import BFLOAT16, to_bfloat16
 from .ops.op import OpBuilder
-from .quant import BlockQuantized, Int8PerChannel, Weight, concat_rows
+from .quant import BlockForm, BlockQuantized, DenseForm, Int8Form, Int8PerChannel, Weight, WeightForm, concat_rows
 from .rope_tables import rope_tables
 
 T = TypeVar("T")
@@ -26,116 +26,135 @@ T = TypeVar("T")
 # The weights a `model.dtype: bfloat16` graph stores as bfloat16: every linear's and the embedding (the tied LM
 # head's table). Norm weights, biases and the rope tables stay float32, as their ops compute in float32.
 BF16_WEIGHTS = ("embed", "lm_head", "qkv", "o_proj", "gate_up", "down")
+ROPE_TABLES = ("rope_cos", "rope_sin")
+
+
+def graph_weight_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each graph parameter but the rope tables, and the canonical checkpoint tensors it is made of (fused along
+    their rows in this order: QKV, gate/up)."""
+    sources: dict[str, tuple[str, ...]] = {"embed": ("model.embed_tokens.weight",),
+                                           "final_norm": ("model.norm.weight",)}
+    if not config.tie_word_embeddings:
+        sources["lm_head"] = ("lm_head.weight",)
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        sources[dst + "qkv"] = tuple(f"{src}self_attn.{p}_proj.weight" for p in "qkv")
+        if config.attention_bias:
+            sources[dst + "qkv_bias"] = tuple(f"{src}self_attn.{p}_proj.bias" for p in "qkv")
+        sources |= {dst + "o_proj": (f"{src}self_attn.o_proj.weight",),
+                    dst + "input_norm": (f"{src}input_layernorm.weight",),
+                    dst + "post_norm": (f"{src}post_attention_layernorm.weight",),
+                    dst + "gate_up": (f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight"),
+                    dst + "down": (f"{src}mlp.down_proj.weight",)}
+    return sources
+
+
+def graph_weight_names(config: ModelConfig) -> list[str]:
+    """Every graph parameter's name (the rope tables after the embedding and the final norm)."""
+    names = list(graph_weight_sources(config))
+    return names[:2] + list(ROPE_TABLES) + names[2:]
+
+
+def graph_weight(config: ModelConfig, tensors: Mapping[str, Weight], name: str, max_positions: int,
+                 dtype: str = "float32") -> Weight:
+    """One graph parameter from the canonical checkpoint tensors it is made of (`tensors` is read only for those).
+
+    Block-quantized weights stay quantized (fused along their rows); `weight_arrays` lays one out for a graph.
+    With `dtype` bfloat16 a float linear or the embedding is rounded to bfloat16 (BF16_WEIGHTS)."""
+    if name in ROPE_TABLES:
+        return rope_tables(config, max_positions)[ROPE_TABLES.index(name)]
+    parts = [tensors[source] for source in graph_weight_sources(config)[name]]
+    w = parts[0] if len(parts) == 1 else concat_rows(parts)
+    if isinstance(w, (BlockQuantized, Int8PerChannel)):
+        return w
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return to_bfloat16(w) if dtype == "bfloat16" and name.rsplit(".", 1)[-1] in BF16_WEIGHTS else w
 
 
 def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int,
                   dtype: str = "float32") -> dict[str, Weight]:
-    """Canonical checkpoint tensors -> the graph's parameters (fused QKV and gate/up, rope tables).
+    """Every graph parameter at once (`graph_weight` of each): for small models and references; the exporter
+    converts one at a time."""
+    return {name: graph_weight(config, tensors, name, max_positions, dtype) for name in graph_weight_names(config)}
 
-    Block-quantized weights stay quantized (fused along their rows); `graph_arrays` lays them out for a graph.
-    With `dtype` bfloat16 the float linears and the embedding are rounded to bfloat16 (BF16_WEIGHTS)."""
-    cos, sin = rope_tables(config, max_positions)
-    weights: dict[str, Weight] = {
-        "embed": tensors["model.embed_tokens.weight"],
-        "final_norm": tensors["model.norm.weight"],
-        "rope_cos": cos,
-        "rope_sin": sin,
-    }
-    if not config.tie_word_embeddings:
-        weights["lm_head"] = tensors["lm_head.weight"]
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = [tensors[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
-        weights[dst + "qkv"] = concat_rows(attn)
-        if config.attention_bias:
-            weights[dst + "qkv_bias"] = np.concatenate([tensors[f"{src}self_attn.{p}_proj.bias"] for p in "qkv"])
-        weights[dst + "o_proj"] = tensors[f"{src}self_attn.o_proj.weight"]
-        weights[dst + "input_norm"] = tensors[f"{src}input_layernorm.weight"]
-        weights[dst + "post_norm"] = tensors[f"{src}post_attention_layernorm.weight"]
-        weights[dst + "gate_up"] = concat_rows([tensors[f"{src}mlp.gate_proj.weight"], tensors[f"{src}mlp.up_proj.weight"]])
-        weights[dst + "down"] = tensors[f"{src}mlp.down_proj.weight"]
-    out = {name: w if isinstance(w, (BlockQuantized, Int8PerChannel)) else np.ascontiguousarray(w, dtype=np.float32)
-           for name, w in weights.items()}
-    if dtype == "bfloat16":
-        out.update({name: to_bfloat16(w) for name, w in out.items()
-                    if isinstance(w, np.ndarray) and name.rsplit(".", 1)[-1] in BF16_WEIGHTS})
-    return out
+
+def weight_arrays(name: str, w: Weight) -> dict[str, np.ndarray]:
+    """One graph parameter as the arrays a graph stores: a quantized weight as its packed parts (graphs/quant.py)."""
+    if isinstance(w, BlockQuantized):
+        return quant.graph_arrays(name, w, gathered=name == "embed")
+    if isinstance(w, Int8PerChannel):
+        return quant.int8_graph_arrays(name, w)
+    return {name: w}
 
 
 def graph_arrays(weights: Mapping[str, Weight]) -> dict[str, np.ndarray]:
-    """Every graph parameter as an array: a block-quantized weight becomes its packed parts (graphs/quant.py)."""
-    out: dict[str, np.ndarray] = {}
-    for name, w in weights.items():
-        if isinstance(w, BlockQuantized):
-            out.update(quant.graph_arrays(name, w, gathered=name == "embed"))
-        elif isinstance(w, Int8PerChannel):
-            out.update(quant.int8_graph_arrays(name, w))
-        else:
-            out[name] = w
-    return out
+    """Every graph parameter as arrays (`weight_arrays` of each)."""
+    return {part: array for name, w in weights.items() for part, array in weight_arrays(name, w).items()}
 
 
 @dataclass(frozen=True)
 class WeightForms:
-    """Which graph weights are block-quantized (and their form) or bfloat16, so `build` emits their op variants."""
+    """Each graph weight's form (graphs/quant.py: dense, block-quantized, int8 per channel), so `build` emits its
+    op variants; a weight absent from `forms` is float32. `forms` may convert a weight when first asked for it
+    (the streaming export's): nothing here needs the data."""
 
-    quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
+    forms: Mapping[str, WeightForm] = field(default_factory=dict)
     accuracy_level: int = 0  # MatMulNBits' compute for the quantized linears (export.accuracy_level)
-    w8a8: Mapping[str, Int8PerChannel] = field(default_factory=dict)  # Linear.w8a8 weights
     # Ascend: Linear.w8a8 weights with calibrated static input (scale, offset) -> Linear.w8a8_static (MindIE)
     w8a8_static: Mapping[str, tuple[float, int]] = field(default_factory=dict)
-    bfloat16: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # Linear/Gather.bfloat16: name -> shape
 
     @classmethod
     def of(cls, weights: Mapping[str, Weight], accuracy_level: int = 0,
            w8a8_static: Mapping[str, tuple[float, int]] | None = None) -> "WeightForms":
-        return cls({k: w for k, w in weights.items() if isinstance(w, BlockQuantized)}, accuracy_level,
-                   {k: w for k, w in weights.items() if isinstance(w, Int8PerChannel)}, dict(w8a8_static or {}),
-                   {k: w.shape for k, w in weights.items() if isinstance(w, np.ndarray) and w.dtype == BFLOAT16})
+        return cls({k: quant.form_of(w) for k, w in weights.items()}, accuracy_level, dict(w8a8_static or {}))
 
     def linear(self, b: OpBuilder[T], x: T, name: str, bias: T | None = None) -> T:
-        shape = self.bfloat16.get(name)
-        if shape is not None:
-            y = b.emit(ops.LINEAR_BF16, x, b.weight(name), K=shape[1], N=shape[0])
+        form = self.forms.get(name)
+        if isinstance(form, DenseForm) and form.dtype == BFLOAT16.name:
+            y = b.emit(ops.LINEAR_BF16, x, b.weight(name), K=form.shape[1], N=form.shape[0])
             return y if bias is None else b.emit(ops.ADD, y, bias)
-        int8 = self.w8a8.get(name)
-        if int8 is not None and name in self.w8a8_static:
+        if isinstance(form, Int8Form) and name in self.w8a8_static:
             y = b.emit(ops.LINEAR_W8A8_STATIC, x, *(b.weight(p) for p in quant.w8a8_static_parts(name)),
-                       K=int8.shape[1], N=int8.shape[0])
+                       K=form.shape[1], N=form.shape[0])
             return y if bias is None else b.emit(ops.ADD, y, bias)
-        if int8 is not None:
+        if isinstance(form, Int8Form):
             codes, scale = quant.int8_graph_parts(name)
-            return b.emit(ops.LINEAR_W8A8, x, b.weight(codes), b.weight(scale), bias, K=int8.shape[1],
-                          N=int8.shape[0])
-        w = self.quantized.get(name)
-        if w is None:
+            return b.emit(ops.LINEAR_W8A8, x, b.weight(codes), b.weight(scale), bias, K=form.shape[1],
+                          N=form.shape[0])
+        if not isinstance(form, BlockForm):
             return b.emit(ops.LINEAR, x, b.weight(name), bias)
-        return b.emit(ops.LINEAR_BLOCK_QUANTIZED, x, *self._parts(b, name, w), bias, K=w.shape[1], N=w.shape[0],
-                      bits=w.bits, block_size=w.block_size, accuracy_level=self.accuracy_level)
+        return b.emit(ops.LINEAR_BLOCK_QUANTIZED, x, *self._parts(b, name, form), bias, K=form.shape[1],
+                      N=form.shape[0], bits=form.bits, block_size=form.block_size, accuracy_level=self.accuracy_level)
 
     def gather(self, b: OpBuilder[T], name: str, indices: T) -> T:
-        if name in self.bfloat16:
+        form = self.forms.get(name)
+        if isinstance(form, DenseForm) and form.dtype == BFLOAT16.name:
             return b.emit(ops.GATHER_BF16, b.weight(name), indices)
-        w = self.quantized.get(name)
-        if w is None:
+        if not isinstance(form, BlockForm):
             return b.emit(ops.GATHER, b.weight(name), indices)
-        codes, scales, zero_points, minimum = self._parts(b, name, w, gathered=True)
-        return b.emit(ops.GATHER_BLOCK_QUANTIZED, codes, scales, zero_points, minimum, indices, K=w.shape[1],
-                      bits=w.bits, block_size=w.block_size)
+        codes, scales, zero_points, minimum = self._parts(b, name, form, gathered=True)
+        return b.emit(ops.GATHER_BLOCK_QUANTIZED, codes, scales, zero_points, minimum, indices, K=form.shape[1],
+                      bits=form.bits, block_size=form.block_size)
 
     @staticmethod
-    def _parts(b: OpBuilder[T], name: str, w: BlockQuantized, gathered: bool = False) -> list[T | None]:
-        return [None if part is None else b.weight(part) for part in quant.graph_parts(name, w, gathered)]
+    def _parts(b: OpBuilder[T], name: str, form: BlockForm, gathered: bool = False) -> list[T | None]:
+        return [None if part is None else b.weight(part) for part in quant.graph_parts(name, form, gathered)]
 
 
 def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms(),
-          kv_cache_dtype: str = "float32") -> None:
+          kv_cache_dtype: str = "float32", layers: Sequence[int] | None = None) -> None:
     """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized,
     `kv_cache_dtype` what the pools hold.
 
     The cache dtype picks the variants of ReshapeAndCache and PagedAttention; an int8 cache reads each
     layer's calibrated parameters as weights (graphs/kv_cache.py names them).
+
+    `layers` (default: all, in order) makes a slice of the model, as export-time calibration and checks run a
+    large model a few layers at a time: a slice that starts past layer 0 reads the residual stream and its
+    normed copy (contract.SLICE_INPUTS) instead of embedding tokens, and one that ends before the last layer
+    writes them out (contract.SLICE_OUTPUTS) instead of logits. Chained, slices compute what the whole graph does.
     """
+    order = list(range(config.num_layers)) if layers is None else list(layers)
     write, attend = ops.KV_CACHE_OPS[kv_cache_dtype]
     quantized = cache_format(kv_cache_dtype).quantized
     positions = b.input(c.POSITIONS)
@@ -149,9 +168,12 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
                      qk_scale=config.head_dim ** -0.5, block_size=block_size)
     norm = dict(epsilon=config.rms_norm_eps)
 
-    hidden = forms.gather(b, "embed", b.input(c.INPUT_IDS))
-    x = b.emit(ops.RMS_NORM, hidden, b.weight("layers.0.input_norm"), **norm)
-    for i in range(config.num_layers):
+    if order[0] == 0:
+        hidden = forms.gather(b, "embed", b.input(c.INPUT_IDS))
+        x = b.emit(ops.RMS_NORM, hidden, b.weight("layers.0.input_norm"), **norm)
+    else:
+        hidden, x = (b.input(name) for name in c.SLICE_INPUTS)
+    for position, i in enumerate(order):
         w = f"layers.{i}."
         qkv = forms.linear(b, x, w + "qkv", b.weight(w + "qkv_bias") if config.attention_bias else None)
         q, k, v = b.emit(ops.SPLIT, qkv, sizes=(config.q_size, config.kv_size, config.kv_size))
@@ -168,8 +190,13 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
         x, hidden = b.emit(ops.ADD_RMS_NORM, forms.linear(b, attn, w + "o_proj"), hidden, b.weight(w + "post_norm"),
                            **norm)
         down = forms.linear(b, b.emit(ops.SWIGLU, forms.linear(b, x, w + "gate_up")), w + "down")
-        after = f"layers.{i + 1}.input_norm" if i + 1 < config.num_layers else "final_norm"
+        following = order[position + 1] if position + 1 < len(order) else i + 1
+        after = f"layers.{following}.input_norm" if following < config.num_layers else "final_norm"
         x, hidden = b.emit(ops.ADD_RMS_NORM, down, hidden, b.weight(after), **norm)
 
+    if order[-1] + 1 < config.num_layers:
+        for name, value in zip(c.SLICE_OUTPUTS, (hidden, x)):
+            b.output(name, value)
+        return
     last = b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))  # norm rows, then gather: one op fewer than the reverse
     b.output(c.LOGITS, forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))

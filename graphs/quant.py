@@ -20,6 +20,42 @@ from typing import Sequence
 import numpy as np
 
 BITS = (4, 8)
+ROW_CHUNK = 1 << 22  # elements per row chunk of a quantizer: its float32 temporaries stay at a few of these
+
+
+def row_chunks(rows: int, width: int) -> list[slice]:
+    """Consecutive row ranges of about ROW_CHUNK elements: row-wise quantizers run chunk by chunk, so a 49k x 4k
+    embedding needs its output and a few chunk-sized temporaries, not several whole-size float32 copies."""
+    step = max(1, ROW_CHUNK // max(width, 1))
+    return [slice(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """What a graph needs of a block-quantized weight to emit its op variant, without its data."""
+
+    shape: tuple[int, int]
+    bits: int
+    block_size: int
+    has_minimum: bool
+    default_zero_point: bool  # every zero point is 2**(bits-1), MatMulNBits' default: no zero-point input
+    source: str
+
+
+@dataclass(frozen=True)
+class Int8Form:
+    """An `Int8PerChannel` weight's shape: all Linear.w8a8 needs of it."""
+
+    shape: tuple[int, int]
+    source: str = "int8-per-channel"
+
+
+@dataclass(frozen=True)
+class DenseForm:
+    """A float weight (float32, or bfloat16 where the graph stores it so)."""
+
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +82,11 @@ class BlockQuantized:
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape  # type: ignore[return-value]
+
+    @property
+    def form(self) -> BlockForm:
+        return BlockForm(self.shape, self.bits, self.block_size, self.minimum is not None,
+                         bool(np.all(self.zero_point == 1 << (self.bits - 1))), self.source)
 
     @property
     def nbytes(self) -> int:
@@ -98,15 +139,29 @@ class Int8PerChannel:
     def dequantize(self) -> np.ndarray:
         return self.q.astype(np.float32) * self.scale[:, None]
 
+    @property
+    def form(self) -> Int8Form:
+        return Int8Form(self.shape, self.source)
+
     @classmethod
     def quantize(cls, w: np.ndarray) -> "Int8PerChannel":
         """Round to nearest with scale max|row| / 127 (the row's largest weight is kept exactly in range)."""
-        scale = (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float32)
-        scale[scale == 0] = 1
-        return cls(np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale)
+        q, scale = np.empty(w.shape, np.int8), np.empty(w.shape[0], np.float32)
+        for rows in row_chunks(*w.shape):
+            part = (np.abs(w[rows]).max(axis=1) / np.float32(127)).astype(np.float32)
+            part[part == 0] = 1
+            q[rows], scale[rows] = np.clip(np.rint(w[rows] / part[:, None]), -127, 127), part
+        return cls(q, scale)
 
 
 Weight = np.ndarray | BlockQuantized | Int8PerChannel
+WeightForm = DenseForm | BlockForm | Int8Form
+
+
+def form_of(w: Weight) -> WeightForm:
+    if isinstance(w, (BlockQuantized, Int8PerChannel)):
+        return w.form
+    return DenseForm(w.shape, w.dtype.name)
 
 
 def concat_rows(parts: Sequence[Weight]) -> Weight:
@@ -198,15 +253,15 @@ def from_graph(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | 
                           minimum_rows(minimum_t), bits, block_size, source)
 
 
-def graph_parts(name: str, w: BlockQuantized, gathered: bool = False) -> list[str | None]:
+def graph_parts(name: str, w: BlockQuantized | BlockForm, gathered: bool = False) -> list[str | None]:
     """Names of the op variant's weight inputs: codes, scales, zero points, minimum (None where the form has none).
 
     A `gathered` table (the embedding) reads its zero points unpacked (for 4 bits, `<name>.zero_point_rows`) and
     its minima as float32 rows (`<name>.minimum`); a linear reads `<name>.minimum_t` (`pack_minimum`)."""
-    default_zero_point = bool(np.all(w.zero_point == 1 << (w.bits - 1)))
-    zero_points = None if default_zero_point else f"{name}.zero_point_rows" if gathered and w.bits == 4 \
+    form = w.form if isinstance(w, BlockQuantized) else w
+    zero_points = None if form.default_zero_point else f"{name}.zero_point_rows" if gathered and form.bits == 4 \
         else f"{name}.zero_points"
-    minimum = None if w.minimum is None else f"{name}.minimum" if gathered else f"{name}.minimum_t"
+    minimum = None if not form.has_minimum else f"{name}.minimum" if gathered else f"{name}.minimum_t"
     return [f"{name}.codes", f"{name}.scales", zero_points, minimum]
 
 

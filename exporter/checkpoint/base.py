@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ...graphs.config import ModelConfig
 from ...graphs.quant import Weight
@@ -24,9 +24,27 @@ class TokenizerSpec:
     add_bos_token: bool
 
 
+class LazyTensors(Mapping[str, Weight]):
+    """Checkpoint tensors read from their file each time they are accessed, and never kept: the exporter holds one
+    tensor (or one fused graph weight) at a time, whatever the checkpoint's size."""
+
+    def __init__(self, loaders: Mapping[str, Callable[[], Weight]]) -> None:
+        self._loaders = loaders
+
+    def __getitem__(self, name: str) -> Weight:
+        return self._loaders[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """Weights under canonical HF LLaMA names, [out, in] for linear layers: float32 numpy, or
+    """Weights under canonical HF LLaMA names, [out, in] for linear layers (read on access: `LazyTensors`): float32
+    numpy, or
     `BlockQuantized` where a GGUF was read with its blocks kept (export `quantization: gguf`) or an HF
     checkpoint was quantized with GPTQ / AWQ (always kept: `quantization`).
 

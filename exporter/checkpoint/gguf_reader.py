@@ -7,16 +7,18 @@ rotate-half layout, bit-identical to what transformers loads from the same file.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import mmap
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from .base import Checkpoint, CheckpointError, expected_shapes
+from .base import Checkpoint, CheckpointError, LazyTensors, expected_shapes
 from .gguf_blocks import MAPPED, from_gguf
 from .gguf_tokenizer import eos_token_ids, tokenizer_spec
 from ...graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -91,7 +93,7 @@ def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
     expected = expected_shapes(config)
-    tensors: dict[str, Weight] = {}
+    tensors: dict[str, Callable[[], Weight]] = {}
     for name, info in infos.items():
         hf_name = _hf_name(name, path)
         if hf_name not in expected:
@@ -101,25 +103,46 @@ def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[hf_name]}; the file is corrupt"
             )
-        weight: Weight
-        if keep_blocks and info.tensor_type in MAPPED and len(shape) == 2:
-            weight = from_gguf(np.asarray(info.data), info.tensor_type, shape)  # type: ignore[arg-type]
-        else:
-            weight = _dequantize(info, shape, path)
-        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            if isinstance(weight, BlockQuantized):
-                weight = weight.rows(_unpermute_rope(np.arange(shape[0]), heads))
-            else:
-                weight = _unpermute_rope(weight, heads)
-        tensors[hf_name] = weight
+        heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+        rope = name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name)
+        tensors[hf_name] = functools.partial(_read_tensor, reader, info, shape, keep_blocks, heads if rope else 0,
+                                             path)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{path}: missing tensors for {', '.join(missing[:5])}; the file is incomplete")
     bundled = path.name == DEFAULT_MODEL_FILE
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
+    return Checkpoint(config=config, tensors=LazyTensors(tensors), tokenizer=tokenizer, source=str(path),
                       generation_defaults=DEFAULT_MODEL_GENERATION if bundled else {},
                       generation_source=DEFAULT_MODEL_GENERATION_SOURCE if bundled else "")
+
+
+def _read_tensor(reader: GGUFReader, info: ReaderTensor, shape: tuple[int, ...], keep_blocks: bool, rope_heads: int,
+                 path: Path) -> Weight:
+    """One tensor from the file's mapping (blocks kept or dequantized; Q/K rope rows un-permuted when `rope_heads`),
+    whose pages are then given back: reading every tensor leaves none of the file resident."""
+    weight: Weight
+    try:
+        if keep_blocks and info.tensor_type in MAPPED and len(shape) == 2:
+            weight = from_gguf(np.asarray(info.data), info.tensor_type, shape)  # type: ignore[arg-type]
+        else:
+            weight = _dequantize(info, shape, path)
+    finally:
+        _release(reader, info)
+    if rope_heads:
+        if isinstance(weight, BlockQuantized):
+            return weight.rows(_unpermute_rope(np.arange(shape[0]), rope_heads))
+        return _unpermute_rope(weight, rope_heads)
+    return weight
+
+
+def _release(reader: GGUFReader, info: ReaderTensor) -> None:
+    """Drop the mapping's pages of `info`'s data (they are read again from the file if touched; the file is
+    mapped read-only, so nothing is lost)."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None:
+        return
+    start = info.data_offset - info.data_offset % mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, start, min(len(mapping), info.data_offset + info.n_bytes) - start)
 
 
 def _open(path: Path) -> GGUFReader:

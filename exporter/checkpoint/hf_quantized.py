@@ -88,6 +88,10 @@ class PackedFormat:
                 f"bits (quantization_config.group_size = {self.group_size}); the checkpoint does not match config.json")
         _block(math.gcd(group, k))
 
+    def check_g_idx(self, name: str, g_idx: np.ndarray | None, k: int) -> None:
+        """Refuse act-order groups (read before any weight: g_idx is small)."""
+        _check_g_idx(name, g_idx, k, self.group(k))
+
     def weight(self, name: str, arrays: Mapping[str, np.ndarray], n: int, k: int) -> BlockQuantized:
         """The linear `name` [n, k] from its stored parts, as MatMulNBits blocks."""
         maxq, group = (1 << self.bits) - 1, self.group(k)

@@ -7,17 +7,18 @@ weights) fails with a message naming the file, the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from .base import Checkpoint, CheckpointError, TokenizerSpec, expected_shapes
+from .base import Checkpoint, CheckpointError, LazyTensors, TokenizerSpec, expected_shapes
 from .hf_quantized import PackedFormat, packed_format
 from ...graphs.config import ModelConfig, RopeScaling
 from ...graphs.quant import Weight
@@ -326,25 +327,34 @@ def _open(path: Path) -> Any:
         raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); {_REDOWNLOAD}") from exc
 
 
-def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """numpy has no bfloat16: bf16 is the top half of a float32, so widen the raw bits by << 16.
+# safetensors dtype -> what numpy reads it as (BF16: the raw 16 bits, widened in `_read_tensor`)
+_NUMPY_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I32": "<i4", "I64": "<i8"}
 
-    The safetensors header (8-byte little-endian length, then JSON) gives each tensor's byte range;
-    safe_open has already checked that the ranges cover the file.
-    """
+
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data begins, and its header (each tensor's dtype, shape and byte range).
+
+    safe_open has already checked that the ranges cover the file."""
     with path.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    out: dict[str, np.ndarray] = {}
-    for name in names:
-        begin, end = header[name]["data_offsets"]
-        raw = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + size + begin)
-        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
-    return out
+        return 8 + size, json.loads(f.read(size))
 
 
-def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) -> dict[str, Weight]:
-    """Validate names, shapes and dtypes of every file first, then load: fail before reading GBs.
+def _read_tensor(path: Path, begin: int, entry: dict[str, Any]) -> np.ndarray:
+    """One tensor, memory-mapped for as long as it takes to copy it out: float tensors as float32, integer ones
+    (GPTQ/AWQ parts) as they are. numpy has no bfloat16: bf16 is the top half of a float32, so its bits widen by
+    << 16. The mapping is dropped on return, so reading a whole checkpoint leaves none of it resident."""
+    start, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    mapped = np.memmap(path, np.dtype(_NUMPY_DTYPES[entry["dtype"]]), "r", begin + start, shape) if end > start \
+        else np.zeros(shape, _NUMPY_DTYPES[entry["dtype"]])
+    if entry["dtype"] == "BF16":
+        return (mapped.astype(np.uint32) << 16).view(np.float32)
+    return np.array(mapped, np.float32 if entry["dtype"] in _FLOAT_DTYPES else mapped.dtype)
+
+
+def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) -> LazyTensors:
+    """Validate names, shapes and dtypes of every file first; each tensor is then read when accessed.
 
     With a `packed` format, a linear `X.weight` may instead be stored as its `X.qweight`, `X.qzeros`, `X.scales`
     (GPTQ: `X.g_idx`): it becomes a `BlockQuantized` of the checkpoint's own codes (hf_quantized.py)."""
@@ -401,20 +411,25 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
             f"num_hidden_layers={config.num_layers}); re-download the weights"
         )
 
-    loaded: dict[str, np.ndarray] = {}
+    located: dict[str, tuple[Path, int, dict[str, Any]]] = {}
     for path, names in plan.items():
-        with _open(path) as f:
-            loaded |= {name: f.get_tensor(name) for name, dtype in names.items() if dtype != "BF16"}
-        bf16 = [name for name, dtype in names.items() if dtype == "BF16"]
-        if bf16:
-            loaded |= _read_bf16(path, bf16)
-    tensors: dict[str, Weight] = {name: np.ascontiguousarray(loaded[name], dtype=np.float32)
-                                  for name in expected if name in loaded}
+        begin, header = _header(path)
+        located |= {name: (path, begin, header[name]) for name in names}
+    loaders: dict[str, Callable[[], Weight]] = {name: functools.partial(_read_tensor, *located[name])
+                                                for name in expected if name in located}
     for linear in stored if packed is not None else ():
         base = linear[:-len("weight")]
-        parts = {suffix: loaded[base + suffix] for suffix in packed.suffixes if base + suffix in loaded}
-        tensors[linear] = packed.weight(base[:-1], parts, *expected[linear])
-    return tensors
+        parts = {suffix: located[base + suffix] for suffix in packed.suffixes if base + suffix in located}
+        if "g_idx" in parts:
+            packed.check_g_idx(base[:-1], _read_tensor(*parts["g_idx"]), expected[linear][1])
+        loaders[linear] = functools.partial(_read_packed, packed, base[:-1], parts, expected[linear])
+    return LazyTensors(loaders)
+
+
+def _read_packed(packed: PackedFormat, name: str, parts: dict[str, tuple[Path, int, dict[str, Any]]],
+                 shape: tuple[int, ...]) -> Weight:
+    """A GPTQ / AWQ linear from its stored parts, as MatMulNBits blocks."""
+    return packed.weight(name, {suffix: _read_tensor(*where) for suffix, where in parts.items()}, *shape)
 
 
 def _check_tensor(path: Path, name: str, shape: tuple[int, ...], dtype: str, want: tuple[int, ...],

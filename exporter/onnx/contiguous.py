@@ -41,8 +41,7 @@ class ContiguousBuilder(OnnxBuilder):
     """
 
     def __init__(self, config: ModelConfig, external: dict[str, onnx.TensorProto], kv_cache_dtype: str = "float32") -> None:
-        super().__init__(config, {name: np.zeros(0, np.float32) for name in external}, kv_cache_dtype)
-        self.external = external
+        super().__init__(config, external.__getitem__, kv_cache_dtype)
         self._shared: dict[str, str] = {}  # per-step tensors every layer reuses (indices, mask)
         self._pool_dims = ["B", config.num_kv_heads, "max_len", config.head_dim]
 
@@ -93,8 +92,6 @@ class ContiguousBuilder(OnnxBuilder):
     def model(self, name: str) -> onnx.ModelProto:
         model = super().model(name)
         graph = model.graph
-        del graph.initializer[:]
-        graph.initializer.extend(self.external[w] for w in self.used_weights)
         used = {i for node in graph.node for i in node.input}
         unused = [i for i in graph.input if i.name not in used]  # block_tables, cu_seqlens_q: no blocks here
         for info in unused:

@@ -1,11 +1,11 @@
 """OnnxBuilder: a model definition emitted as ONNX nodes through the ONNX lowering's bodies."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from .lowering import ONNX, OnnxBody, OnnxGraph
 from ...graphs import contract as c
@@ -25,19 +25,27 @@ def onnx_type(dtype: str | np.dtype) -> int:
     return TensorProto.BFLOAT16 if name == "bfloat16" else NP_TO_ONNX[np.dtype(name)]
 
 
+Initializer = Callable[[str], onnx.TensorProto]
+
+
 class OnnxBuilder(OnnxGraph):
-    """Collects one graph with symbolic bucket dims; weights stay numpy until `model()`."""
+    """Collects one graph with symbolic bucket dims.
+
+    `initializer` gives each weight's TensorProto when the model definition first reads it: a reference into an
+    external weights file (exporter/onnx/weights_file.py, which may convert and write the weight right then), or
+    a small inline tensor (an int8 cache's scales). The graph is built from names and shapes: no proto here ever
+    holds the weights' data."""
 
     lowering: Lowering[OnnxBody] = ONNX
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], kv_cache_dtype: str = "float32") -> None:
+    def __init__(self, config: ModelConfig, initializer: Initializer, kv_cache_dtype: str = "float32") -> None:
         super().__init__()
         self.config = config
         self.cache_type = cache_format(kv_cache_dtype).onnx_type  # the KV pools' element type
-        self.weights = weights
+        self._initializer = initializer
         self.inputs: dict[str, onnx.ValueInfoProto] = {}
         self.outputs: list[onnx.ValueInfoProto] = []
-        self.used_weights: list[str] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}  # in the order the graph first reads them
         self._output_names: dict[str, str] = {}
 
     def emit(self, op: Op, *inputs: str | None, **attrs: Any) -> Any:
@@ -48,20 +56,24 @@ class OnnxBuilder(OnnxGraph):
             if name in c.INPUT_DTYPES:
                 info = helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(c.INPUT_DTYPES[name])],
                                                      list(c.INPUT_DIMS[name]))
+            elif name in c.SLICE_INPUTS:
+                info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", self.config.hidden_size])
             else:  # a KV pool
                 info = helper.make_tensor_value_info(name, self.cache_type, ["num_slots", self.config.kv_size])
             self.inputs[name] = info
         return name
 
     def weight(self, name: str) -> str:
-        if name not in self.used_weights:
-            self.used_weights.append(name)
+        if name not in self.initializers:
+            self.initializers[name] = self._initializer(name)
         return name
 
     def output(self, name: str, value: str) -> None:
         self._output_names[value] = name  # renamed in model(): later nodes may still read `value`
         if name == c.LOGITS:
             info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", self.config.vocab_size])
+        elif name in c.SLICE_OUTPUTS:
+            info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", self.config.hidden_size])
         else:
             info = helper.make_tensor_value_info(name, self.cache_type, ["num_slots", self.config.kv_size])
         self.outputs.append(info)
@@ -69,8 +81,8 @@ class OnnxBuilder(OnnxGraph):
     def model(self, name: str) -> onnx.ModelProto:
         for value, output_name in self._output_names.items():
             self.n.rename(value, output_name)
-        initializers = [numpy_helper.from_array(self.weights[w], w) for w in self.used_weights]
-        graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs, initializers)
+        graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs,
+                                  list(self.initializers.values()))
         return make_model(graph, self)
 
 

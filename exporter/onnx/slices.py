@@ -1,0 +1,131 @@
+"""A model's graph as slices of consecutive layers, so export-time calibration and checks stay bounded at any size.
+
+Each slice is the model definition built for a few layers (graphs/llama.build `layers`) over weights that lie in
+a file (the artifact's weights.bin, or a scratch file with the slice's float32 weights), and runs in its own ONNX
+Runtime session: its weights are mapped while it runs and released after. Slices pass the residual stream on
+(contract.SLICE_OUTPUTS -> SLICE_INPUTS), so chained they compute what the whole graph does. A model whose
+weights fit one slice runs as one graph, exactly as it is served.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from .graph_builder import Initializer, OnnxBuilder
+from .weights_file import StreamedWeights, WeightsFile
+from ...graphs import contract as c
+from ...graphs import llama
+from ...graphs.config import ModelConfig
+from ...graphs.quant import Weight
+
+# Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
+SLICE_BYTES = 1 << 30
+# ONNX Runtime: where a model given as bytes finds its external data.
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Layers `layers` of a model: the whole graph's file, or a slice built in memory over weights in `folder`."""
+
+    layers: tuple[int, ...]
+    graph: Path | onnx.ModelProto
+    folder: Path
+
+    def proto(self) -> onnx.ModelProto:
+        """The graph without its weights' data."""
+        if isinstance(self.graph, Path):
+            return onnx.load_model(self.graph, load_external_data=False)
+        return self.graph
+
+    def session(self, model: onnx.ModelProto | None = None) -> Any:
+        """An ONNX Runtime session over the slice (or over `model`, the slice edited: extra outputs)."""
+        import onnxruntime as ort
+
+        if model is None and isinstance(self.graph, Path):
+            return ort.InferenceSession(str(self.graph), providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.add_session_config_entry(EXTERNAL_FOLDER, str(self.folder))
+        return ort.InferenceSession((model or self.proto()).SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+
+
+def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int | None = None) -> list[tuple[int, ...]]:
+    """Consecutive layers grouped so each group's weights (`nbytes(graph weight)`; the first group also holds the
+    embedding, the last the LM head) stay within `budget` (default SLICE_BYTES), at least one layer each."""
+    budget = SLICE_BYTES if budget is None else budget
+    names = llama.graph_weight_names(model)
+    per_layer = [sum(nbytes(n) for n in names if n.startswith(f"layers.{i}.")) for i in range(model.num_layers)]
+    per_layer[0] += nbytes("embed")
+    per_layer[-1] += nbytes("final_norm") + (0 if model.tie_word_embeddings else nbytes("lm_head"))
+    groups: list[list[int]] = [[]]
+    used = 0
+    for layer, size in enumerate(per_layer):
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(layer)
+        used += size
+    return [tuple(g) for g in groups]
+
+
+def built_slice(model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
+                layers: Sequence[int], initializer: Initializer) -> onnx.ModelProto:
+    builder = OnnxBuilder(model, initializer, kv_cache_dtype)
+    llama.build(builder, model, block_size, forms, kv_cache_dtype, layers)
+    return builder.model("pagedgraph-slice")
+
+
+def artifact_slices(graph: Path, model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
+                    initializers: Mapping[str, onnx.TensorProto], groups: Sequence[tuple[int, ...]]
+                    ) -> Iterator[Slice]:
+    """`graph` (an exported graph whose weights lie beside it) in `groups` of layers; `initializers`: its weights'
+    references (and an int8 cache's inline scales)."""
+    if len(groups) == 1:
+        yield Slice(groups[0], graph, graph.parent)
+        return
+    for layers in groups:
+        yield Slice(layers, built_slice(model, block_size, forms, kv_cache_dtype, layers, initializers.__getitem__),
+                    graph.parent)
+
+
+def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_positions: int, block_size: int,
+                      accuracy_level: int, scratch: Path, groups: Sequence[tuple[int, ...]]) -> Iterator[Slice]:
+    """The float32-compute graph of checkpoint `tensors` as read, in `groups` of layers: each slice's weights are
+    converted into a scratch file in `scratch` when it is reached and deleted after it."""
+    sources = graph_sources(model)
+    for layers in groups:
+        path = scratch / "weights.bin"
+        with WeightsFile(path) as out:
+            store = StreamedWeights(sources, lambda name: llama.graph_weight(model, tensors, name, max_positions), out)
+            proto = built_slice(model, block_size, llama.WeightForms(store.forms, accuracy_level), "float32", layers,
+                                store.initializer)
+        try:
+            yield Slice(layers, proto, scratch)
+        finally:
+            path.unlink()
+
+
+def graph_sources(model: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Every graph weight and the checkpoint tensors it is made of (none for the rope tables)."""
+    sources = llama.graph_weight_sources(model)
+    return {name: sources.get(name, ()) for name in llama.graph_weight_names(model)}
+
+
+def slice_feed(session: Any, feed: Mapping[str, np.ndarray], carried: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """What `session` takes of a step's `feed` and of the previous slice's residual stream (`carried`)."""
+    names = {i.name for i in session.get_inputs()}
+    return {name: value for name, value in {**feed, **carried}.items() if name in names}
+
+
+def carried_outputs(layers: Sequence[int], model: ModelConfig) -> list[str]:
+    """The residual-stream outputs a slice hands on (none from the last layer, which writes logits)."""
+    return [] if layers[-1] + 1 == model.num_layers else list(c.SLICE_OUTPUTS)
+
+
+def carry(values: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(zip(c.SLICE_INPUTS, values))
