@@ -7,7 +7,7 @@ decode alike), and only the rows in `logits_indices` reach the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, TypeVar
+from typing import Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -72,10 +72,28 @@ def graph_weight(config: ModelConfig, tensors: Mapping[str, Weight], name: str, 
 
 
 def graph_weights(config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int,
-                  dtype: str = "float32") -> dict[str, Weight]:
-    """Every graph parameter at once (`graph_weight` of each): for small models and references; the exporter
-    converts one at a time."""
-    return {name: graph_weight(config, tensors, name, max_positions, dtype) for name in graph_weight_names(config)}
+                  dtype: str = "float32") -> "GraphWeights":
+    """Every graph parameter, each made (`graph_weight`) when read and not kept: iterating holds one at a time."""
+    return GraphWeights(config, tensors, max_positions, dtype)
+
+
+class GraphWeights(Mapping[str, Weight]):
+    """The graph parameters of `tensors`, converted on each access (`graph_weights`)."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, Weight], max_positions: int, dtype: str) -> None:
+        self._config, self._tensors, self._max_positions, self._dtype = config, tensors, max_positions, dtype
+        self._names = graph_weight_names(config)
+
+    def __getitem__(self, name: str) -> Weight:
+        if name not in self._names:
+            raise KeyError(name)
+        return graph_weight(self._config, self._tensors, name, self._max_positions, self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def weight_arrays(name: str, w: Weight) -> dict[str, np.ndarray]:
