@@ -31,8 +31,8 @@ from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL
 from .kv_calibration import calibrate_kv_scales, calibration_windows, linear_input_ranges, static_input_params
 from .onnx.contiguous import naive_model
 from .onnx.graph_builder import OnnxBuilder
-from .onnx.slices import Slice, artifact_slices, carried_outputs, carry, checkpoint_slices, graph_sources, \
-    layer_groups, slice_feed
+from .onnx.slices import Slice, artifact_slices, carry, checkpoint_slices, graph_sources, layer_groups, slice_feed, \
+    slice_weights
 from .onnx.weights_file import StreamedWeights, WeightsFile
 from .quantize import quantize_weights, w8a8_int8
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
@@ -449,10 +449,11 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
     even one slice does not fit the available memory, nothing runs and the export says so."""
     model = manifest.model
     groups = layer_groups(model, lambda name: written.nbytes.get(name, 0))
-    largest = max(sum(written.nbytes.get(n, 0) for n in _group_weights(model, g)) for g in groups)
+    largest = max(sum(written.nbytes.get(n, 0) for n in slice_weights(model, layers, index + 1 == len(groups)))
+                  for index, layers in enumerate(groups))
     have = available_memory()
     if have is not None and 2.5 * largest > have:
-        print(f"did not verify the gears: running {len(groups[0])} layer(s) at a time maps and prepacks about "
+        print(f"did not verify the gears: running the largest slice of layers maps and prepacks about "
               f"{2.5 * largest / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available; the artifact is complete "
               "(check it with `pagedgraph generate` where it fits)", file=log)
         return []
@@ -463,6 +464,7 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
     max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
     reports = []
     total = sum(len(manifest.families) * (2 if d == manifest.dtype else 1) for d in manifest.served_kv_cache_dtypes)
+    bar = _bar(log, len(groups) * len(manifest.served_kv_cache_dtypes), "verifying gears", "slice")
     for dtype in manifest.served_kv_cache_dtypes:
         smallest = {family: min(spec.gears) for family, spec in manifest.families.items()}
         checks = [(family, gear) for family, spec in manifest.families.items()
@@ -488,23 +490,15 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
                 seconds[family, gear] += clock() - start
                 carried[family, gear] = carry(run.handed_on)
             del session
+            bar.update()
         for family, gear in checks:
             reports.append(GearReport(family, gear, seconds[family, gear]))
             if not np.isfinite(logits[family, gear][0]).all():
                 raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad logits")
             print(f"[verify {len(reports)}/{total}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
                   f"{dtype} KV ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
+    bar.close()
     return reports
-
-
-def _group_weights(model: ModelConfig, layers: tuple[int, ...]) -> list[str]:
-    """The graph weights a slice of `layers` reads (the embedding or the LM head at the ends)."""
-    names = [n for n in llama.graph_weight_names(model) if any(n.startswith(f"layers.{i}.") for i in layers)]
-    if layers[0] == 0:
-        names.append("embed")
-    if layers[-1] + 1 == model.num_layers:
-        names += ["final_norm"] + ([] if model.tie_word_embeddings else ["lm_head"])
-    return names
 
 
 @dataclass(frozen=True)
@@ -530,8 +524,8 @@ def _verify_binding(session: Any, part: Slice, model: ModelConfig, gear: Gear, p
     feed[c.CONTEXT_LENS][0] = 1
     for name, array in slice_feed(session, feed, carried).items():
         binding.bind_cpu_input(name, array)
-    handed_on = [np.zeros((gear.tokens, model.hidden_size), np.float32) for _ in carried_outputs(part.layers, model)]
-    for name, array in zip(carried_outputs(part.layers, model), handed_on):
+    handed_on = [np.zeros((gear.tokens, model.hidden_size), np.float32) for _ in part.carried]
+    for name, array in zip(part.carried, handed_on):
         binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
     if not handed_on:
         binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))

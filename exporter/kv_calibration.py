@@ -19,7 +19,7 @@ from ..graphs import contract as c
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
 from ..graphs.kv_cache import INT8_MAX, INT8_MIN, SCALE_FIELDS, int8_params, scale_weight_name
-from .onnx.slices import Slice, carried_outputs, carry, slice_feed
+from .onnx.slices import Slice, carry, slice_feed
 
 
 def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str, np.ndarray]:
@@ -61,10 +61,12 @@ def channel_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[
     ranges: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
     for part in slices:
+        if not part.layers:  # the LM head alone: nothing calibrated reads it
+            continue
         proto = part.proto()
         wanted = outputs(part, proto)
         session = part.session(proto)
-        handed_on = carried_outputs(part.layers, model)
+        handed_on = part.carried
         names = [c.k_cache_name(i) for i in part.layers] + [c.v_cache_name(i) for i in part.layers]
         for w, tokens in enumerate(windows):
             gear = min(g for g in gears if g.tokens >= len(tokens) and g.blocks * block_size >= len(tokens))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .checkpoint.base import expected_shapes
+from .buckets import plan_gears
 from .config import ExportConfig
 from .onnx.slices import SLICE_BYTES, graph_sources
 from ..graphs import llama
@@ -64,16 +65,27 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
     if "mindir" in options.formats:  # its own weights file, and the gears' graphs
         artifact += artifact + GRAPH_MARGIN * len(options.kv_cache_dtypes)
     float32 = {name: 4 * n for name, n in params.items()}
-    layer = max(sum(v for k, v in float32.items() if k.startswith(f"layers.{i}.")) for i in range(model.num_layers))
-    slice_bytes = max(SLICE_BYTES, layer + float32["embed"] + float32.get("lm_head", 0))
     needs_float32 = _calibrates_in_float32(config)
     converting = max(size * (2 if len(sources) > 1 else 1.5) for (name, size), sources
                      in zip(float32.items(), graph_sources(model).values()))
-    running = 2.5 * min(slice_bytes, sum(stored.values()) if not needs_float32 else sum(float32.values()))
+    tokens = max(g.tokens for family in plan_gears(model, options).values() for g in family)
+    activations = 16 * tokens * max(model.intermediate_size, model.hidden_size)
+    running = 2.5 * _largest_slice(model, stored) + activations
+    if needs_float32:
+        running = max(running, 2.5 * _largest_slice(model, float32) + activations)
     memory = BASELINE + max(converting, running)
     if "mindir" in options.formats:  # the MINDIR writer holds the target's weights at once
         memory += sum(stored.values())
-    return Needs(artifact + GRAPH_MARGIN * graphs, slice_bytes if needs_float32 else 0, int(memory))
+    scratch = _largest_slice(model, float32) if needs_float32 else 0
+    return Needs(artifact + GRAPH_MARGIN * graphs, scratch, int(memory))
+
+
+def _largest_slice(model: ModelConfig, nbytes: Mapping[str, int]) -> int:
+    """The most weights one slice of layers holds (exporter/onnx/slices.py: layer_groups' budget, or one layer and
+    the embedding or the LM head where that is more)."""
+    layer = max(sum(v for k, v in nbytes.items() if k.startswith(f"layers.{i}.")) for i in range(model.num_layers))
+    ends = max(nbytes["embed"], nbytes.get("lm_head", 0))
+    return min(max(SLICE_BYTES, layer + ends), sum(nbytes.values()))
 
 
 def _stored_bytes(name: str, params: int, quantization: str, dtype: str) -> int:

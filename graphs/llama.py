@@ -160,7 +160,7 @@ class WeightForms:
 
 
 def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms(),
-          kv_cache_dtype: str = "float32", layers: Sequence[int] | None = None) -> None:
+          kv_cache_dtype: str = "float32", layers: Sequence[int] | None = None, head: bool = True) -> None:
     """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized,
     `kv_cache_dtype` what the pools hold.
 
@@ -169,10 +169,28 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
 
     `layers` (default: all, in order) makes a slice of the model, as export-time calibration and checks run a
     large model a few layers at a time: a slice that starts past layer 0 reads the residual stream and its
-    normed copy (contract.SLICE_INPUTS) instead of embedding tokens, and one that ends before the last layer
-    writes them out (contract.SLICE_OUTPUTS) instead of logits. Chained, slices compute what the whole graph does.
+    normed copy (contract.SLICE_INPUTS) instead of embedding tokens, and one without the LM head (`head`; only
+    the last layer may precede it) writes them out (contract.SLICE_OUTPUTS) instead of logits; no layers at all
+    is the LM head alone, reading the final norm's output. Chained, slices compute what the whole graph does.
     """
     order = list(range(config.num_layers)) if layers is None else list(layers)
+    if head and order and order[-1] + 1 != config.num_layers:
+        raise ValueError(f"layers {order}: the LM head follows the last layer ({config.num_layers - 1}) only")
+    if not order:
+        x = b.input(c.SLICE_INPUTS[1])
+    else:
+        x, hidden = _layers(b, config, block_size, forms, kv_cache_dtype, order)
+        if not head:
+            for name, value in zip(c.SLICE_OUTPUTS, (hidden, x)):
+                b.output(name, value)
+            return
+    last = b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))  # norm rows, then gather: one op fewer than the reverse
+    b.output(c.LOGITS, forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))
+
+
+def _layers(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms, kv_cache_dtype: str,
+            order: list[int]) -> tuple[T, T]:
+    """Layers `order` (from the embedding when they start at 0): the normed residual stream and the stream."""
     write, attend = ops.KV_CACHE_OPS[kv_cache_dtype]
     quantized = cache_format(kv_cache_dtype).quantized
     positions = b.input(c.POSITIONS)
@@ -211,10 +229,4 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
         following = order[position + 1] if position + 1 < len(order) else i + 1
         after = f"layers.{following}.input_norm" if following < config.num_layers else "final_norm"
         x, hidden = b.emit(ops.ADD_RMS_NORM, down, hidden, b.weight(after), **norm)
-
-    if order[-1] + 1 < config.num_layers:
-        for name, value in zip(c.SLICE_OUTPUTS, (hidden, x)):
-            b.output(name, value)
-        return
-    last = b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))  # norm rows, then gather: one op fewer than the reverse
-    b.output(c.LOGITS, forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))
+    return x, hidden

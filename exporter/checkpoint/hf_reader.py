@@ -341,16 +341,24 @@ def _header(path: Path) -> tuple[int, dict[str, Any]]:
 
 
 def _read_tensor(path: Path, begin: int, entry: dict[str, Any]) -> np.ndarray:
-    """One tensor, memory-mapped for as long as it takes to copy it out: float tensors as float32, integer ones
-    (GPTQ/AWQ parts) as they are. numpy has no bfloat16: bf16 is the top half of a float32, so its bits widen by
-    << 16. The mapping is dropped on return, so reading a whole checkpoint leaves none of it resident."""
+    """One tensor, read into a buffer of its own: float tensors as float32, integer ones (GPTQ/AWQ parts) as they
+    are. numpy has no bfloat16: bf16 is the top half of a float32, so its bits widen by << 16. Nothing of the file
+    stays mapped or cached here, so reading a whole checkpoint holds one tensor at a time (plain reads: faulting a
+    mapping in page by page took twice as long here, docs/performance.md)."""
     start, end = entry["data_offsets"]
-    shape = tuple(entry["shape"])
-    mapped = np.memmap(path, np.dtype(_NUMPY_DTYPES[entry["dtype"]]), "r", begin + start, shape) if end > start \
-        else np.zeros(shape, _NUMPY_DTYPES[entry["dtype"]])
+    raw = np.empty(tuple(entry["shape"]), _NUMPY_DTYPES[entry["dtype"]])
+    view = memoryview(raw.reshape(-1)).cast("B")
+    with path.open("rb", buffering=0) as f:
+        f.seek(begin + start)
+        done = 0
+        while done < end - start:  # one read returns at most 2 GiB on Linux
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{path} ends inside tensor data (truncated); {_REDOWNLOAD}")
+            done += got
     if entry["dtype"] == "BF16":
-        return (mapped.astype(np.uint32) << 16).view(np.float32)
-    return np.array(mapped, np.float32 if entry["dtype"] in _FLOAT_DTYPES else mapped.dtype)
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32) if entry["dtype"] in _FLOAT_DTYPES and entry["dtype"] != "F32" else raw
 
 
 def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) -> LazyTensors:

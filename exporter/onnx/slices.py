@@ -30,9 +30,12 @@ EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 @dataclass(frozen=True)
 class Slice:
-    """Layers `layers` of a model: the whole graph's file, or a slice built in memory over weights in `folder`."""
+    """Layers `layers` of a model, and its LM head if `head` (none but the head: the last slice of a model whose
+    last layer and head did not fit one): the whole graph's file, or a slice built in memory over weights in
+    `folder`."""
 
     layers: tuple[int, ...]
+    head: bool
     graph: Path | onnx.ModelProto
     folder: Path
 
@@ -43,7 +46,11 @@ class Slice:
         return self.graph
 
     def session(self, model: onnx.ModelProto | None = None) -> Any:
-        """An ONNX Runtime session over the slice (or over `model`, the slice edited: extra outputs)."""
+        """An ONNX Runtime session over the slice (or over `model`, the slice edited: extra outputs).
+
+        Prepacking stays on (as served): the matmuls keep a packed copy of their weights beside the mapped file,
+        about twice the slice's weights resident, but unpacked int8 and 4-bit matmuls ran the gear check 3x slower
+        (docs/performance.md)."""
         import onnxruntime as ort
 
         if model is None and isinstance(self.graph, Path):
@@ -53,15 +60,21 @@ class Slice:
         return ort.InferenceSession((model or self.proto()).SerializeToString(), options,
                                     providers=["CPUExecutionProvider"])
 
+    @property
+    def carried(self) -> list[str]:
+        """The residual-stream outputs it hands on (none from a slice with the head: it writes logits)."""
+        return [] if self.head else list(c.SLICE_OUTPUTS)
+
 
 def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int | None = None) -> list[tuple[int, ...]]:
     """Consecutive layers grouped so each group's weights (`nbytes(graph weight)`; the first group also holds the
-    embedding, the last the LM head) stay within `budget` (default SLICE_BYTES), at least one layer each."""
+    embedding, the last the LM head) stay within `budget` (default SLICE_BYTES), at least one layer each. The head
+    goes alone, as a last empty group, where it does not fit with the last layer; the last group runs the head."""
     budget = SLICE_BYTES if budget is None else budget
     names = llama.graph_weight_names(model)
     per_layer = [sum(nbytes(n) for n in names if n.startswith(f"layers.{i}.")) for i in range(model.num_layers)]
     per_layer[0] += nbytes("embed")
-    per_layer[-1] += nbytes("final_norm") + (0 if model.tie_word_embeddings else nbytes("lm_head"))
+    per_layer[-1] += nbytes("final_norm")
     groups: list[list[int]] = [[]]
     used = 0
     for layer, size in enumerate(per_layer):
@@ -70,44 +83,61 @@ def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int |
             used = 0
         groups[-1].append(layer)
         used += size
+    head = nbytes("embed" if model.tie_word_embeddings else "lm_head")
+    if len(groups) > 1 and used + head > budget:
+        groups.append([])
     return [tuple(g) for g in groups]
 
 
 def built_slice(model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
-                layers: Sequence[int], initializer: Initializer) -> onnx.ModelProto:
+                layers: Sequence[int], head: bool, initializer: Initializer) -> onnx.ModelProto:
     builder = OnnxBuilder(model, initializer, kv_cache_dtype)
-    llama.build(builder, model, block_size, forms, kv_cache_dtype, layers)
+    llama.build(builder, model, block_size, forms, kv_cache_dtype, layers, head)
     return builder.model("pagedgraph-slice")
 
 
 def artifact_slices(graph: Path, model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
                     initializers: Mapping[str, onnx.TensorProto], groups: Sequence[tuple[int, ...]]
                     ) -> Iterator[Slice]:
-    """`graph` (an exported graph whose weights lie beside it) in `groups` of layers; `initializers`: its weights'
-    references (and an int8 cache's inline scales)."""
+    """`graph` (an exported graph whose weights lie beside it) in `groups` of layers (layer_groups'); `initializers`:
+    its weights' references (and an int8 cache's inline scales)."""
     if len(groups) == 1:
-        yield Slice(groups[0], graph, graph.parent)
+        yield Slice(groups[0], True, graph, graph.parent)
         return
-    for layers in groups:
-        yield Slice(layers, built_slice(model, block_size, forms, kv_cache_dtype, layers, initializers.__getitem__),
-                    graph.parent)
+    for index, layers in enumerate(groups):
+        head = index + 1 == len(groups)
+        yield Slice(layers, head, built_slice(model, block_size, forms, kv_cache_dtype, layers, head,
+                                              initializers.__getitem__), graph.parent)
 
 
 def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_positions: int, block_size: int,
                       accuracy_level: int, scratch: Path, groups: Sequence[tuple[int, ...]]) -> Iterator[Slice]:
-    """The float32-compute graph of checkpoint `tensors` as read, in `groups` of layers: each slice's weights are
-    converted into a scratch file in `scratch` when it is reached and deleted after it."""
+    """The float32-compute graph of checkpoint `tensors` as read, in `groups` of layers (layer_groups'; an empty
+    one, the head alone, is left out: calibration reads the layers): each slice's weights are converted into a
+    scratch file in `scratch` when it is reached and deleted after it."""
     sources = graph_sources(model)
-    for layers in groups:
+    runs = [layers for layers in groups if layers]
+    for index, layers in enumerate(runs):
         path = scratch / "weights.bin"
+        head = index + 1 == len(groups)
         with WeightsFile(path) as out:
             store = StreamedWeights(sources, lambda name: llama.graph_weight(model, tensors, name, max_positions), out)
             proto = built_slice(model, block_size, llama.WeightForms(store.forms, accuracy_level), "float32", layers,
-                                store.initializer)
+                                head, store.initializer)
         try:
-            yield Slice(layers, proto, scratch)
+            yield Slice(layers, head, proto, scratch)
         finally:
             path.unlink()
+
+
+def slice_weights(model: ModelConfig, layers: Sequence[int], head: bool) -> list[str]:
+    """The graph weights a slice reads (the embedding from layer 0, the final norm and the LM head with the head)."""
+    names = [n for n in llama.graph_weight_names(model) if any(n.startswith(f"layers.{i}.") for i in layers)]
+    if layers and layers[0] == 0:
+        names.append("embed")
+    if head:
+        names += ["final_norm", "embed" if model.tie_word_embeddings else "lm_head"]
+    return names
 
 
 def graph_sources(model: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -122,10 +152,6 @@ def slice_feed(session: Any, feed: Mapping[str, np.ndarray], carried: Mapping[st
     return {name: value for name, value in {**feed, **carried}.items() if name in names}
 
 
-def carried_outputs(layers: Sequence[int], model: ModelConfig) -> list[str]:
-    """The residual-stream outputs a slice hands on (none from the last layer, which writes logits)."""
-    return [] if layers[-1] + 1 == model.num_layers else list(c.SLICE_OUTPUTS)
-
-
 def carry(values: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """A slice's residual-stream outputs as the next slice's inputs."""
     return dict(zip(c.SLICE_INPUTS, values))
