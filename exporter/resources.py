@@ -33,7 +33,7 @@ _BYTES_PER_WEIGHT = {"w8a16": 1.25, "w8a8": 1.25, "w4a16": 1.0}
 _PREQUANTIZED_GROWTH = 1.5
 
 
-class ExportResourceError(OSError):
+class ExportResourceError(ValueError):
     """The disk or the memory will not hold this export; nothing was written."""
 
 
@@ -137,15 +137,19 @@ def check_resources(needs: Needs, out_parent: Path, scratch: Path, memory: int |
     for path, sizes in parts.items():
         wanted, have = sum(sizes.values()), free_at(path)
         if have < wanted:
-            what = " + ".join(f"{name} {size / GiB:.1f} GiB" for name, size in sizes.items())
+            what = " + ".join(f"{name} {_size(size)}" for name, size in sizes.items())
             raise ExportResourceError(
-                f"export needs about {wanted / GiB:.1f} GiB free at {path} ({what}), and {have / GiB:.1f} GiB is "
-                "free: free some space, or choose an --out on a larger disk (TMPDIR moves the scratch file)")
+                f"export needs about {_size(wanted)} free at {path} ({what}), and {_size(have)} is free: free some "
+                "space, or choose an --out on a larger disk (TMPDIR moves the scratch file)")
     have = available_memory() if memory is None else memory
     if have is not None and have < needs.memory:
         raise ExportResourceError(
-            f"export needs about {needs.memory / GiB:.1f} GiB of memory at its peak, and {have / GiB:.1f} GiB is "
-            "available (MemAvailable): stop other programs, or export on a machine with more memory")
+            f"export needs about {_size(needs.memory)} of memory at its peak, and {_size(have)} is available "
+            "(MemAvailable): stop other programs, or export on a machine with more memory")
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
 
 
 def _same_device(a: Path, b: Path) -> bool:

@@ -1,0 +1,58 @@
+"""Export checks the disk and the memory before any work starts, and says what it needs (exporter/resources.py)."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from pagedgraph.exporter import resources
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.exporter.export import export
+from pagedgraph.exporter.resources import ExportResourceError, Needs, check_resources, export_needs
+from pagedgraph.graphs.config import ModelConfig
+from tests.random_checkpoint import write_random_llama
+
+GiB = 1 << 30
+# LLaMA-2-7B's layout (scripts/make_checkpoint.py's 7b preset, 49k vocabulary)
+LLAMA_7B = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=4096, intermediate_size=11008,
+                       num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def _needs(quantization: str, dtype: str = "float32") -> Needs:
+    config = ExportConfig.model_validate({"model": {"quantization": quantization, "dtype": dtype},
+                                          "export": {"max_model_len": 1024}})
+    return export_needs(LLAMA_7B, config, checkpoint_bytes=int(12.8 * GiB))
+
+
+def test_the_artifact_estimate_follows_the_precision() -> None:
+    fp32, bf16, w8a8, w4a16 = (_needs("none").artifact, _needs("none", "bfloat16").artifact, _needs("w8a8").artifact,
+                               _needs("w4a16").artifact)
+    params = 6.7e9
+    assert 4 * params <= fp32 <= 4.2 * params  # float32 weights and a margin for the graphs
+    assert 2 * params <= bf16 < fp32 / 1.9
+    assert params <= w8a8 <= 1.3 * params
+    assert 0.5 * params <= w4a16 < w8a8
+    assert _needs("none").memory < 5 * GiB  # a slice of layers, not the model
+
+
+def test_a_short_disk_or_memory_is_refused_with_the_figure(tmp_path: Path) -> None:
+    needs = _needs("none")
+    with pytest.raises(ExportResourceError, match=r"needs about 25\.\d GiB free at .* \(the artifact 25\.\d GiB\), "
+                                                  r"and 10\.0 GiB is free: free some space"):
+        check_resources(needs, tmp_path, tmp_path, memory=64 * GiB, free={tmp_path: 10 * GiB})
+    with pytest.raises(ExportResourceError, match=r"needs about \d\.\d GiB of memory at its peak, and 1\.0 GiB is "
+                                                  r"available"):
+        check_resources(needs, tmp_path, tmp_path, memory=GiB, free={tmp_path: 100 * GiB})
+    check_resources(needs, tmp_path, tmp_path, memory=64 * GiB, free={tmp_path: 100 * GiB})
+
+
+def test_export_refuses_before_writing_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_random_llama(tmp_path / "ckpt")
+    real = resources.shutil.disk_usage
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: real(path)._replace(free=1 << 20))
+    config = ExportConfig.model_validate({"model": {"source": str(checkpoint)}, "export": {"max_model_len": 64}})
+    with pytest.raises(ExportResourceError, match=r"needs about \d+ MiB free at .*, and 1 MiB is free"):
+        export(config, tmp_path / "out", log=io.StringIO())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "nothing written, no staging left"
