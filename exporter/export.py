@@ -549,10 +549,15 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
                 run = timed.get((family, g))
                 print(f"{family + f' T={g.tokens} B={g.seqs} M={g.blocks}':30} {f'[{g.tokens}]':>10} "
                       f"{f'[{g.seqs},{g.blocks}]':>13} {f'{run:.2f}s' if run is not None else '-':>8}", file=log)
-    print(f"weights {(size.get(WEIGHTS) or size[MINDIR_WEIGHTS]) / 1e6:.1f} MB stored once for all "
+    weights = size.get(WEIGHTS) or size[MINDIR_WEIGHTS]
+    print(f"weights {weights / 1e6:.1f} MB stored once for all "
           f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s "
           f"(every gear: `pagedgraph inspect --artifact {shlex.quote(str(out))} --gears`, or export with --verbose)",
           file=log)
+    have = available_memory()
+    if have is not None and weights > have:
+        print(f"note: serving this artifact holds its {weights / 2**30:.1f} GiB of weights in memory (plus the KV "
+              f"pool), and this machine has {have / 2**30:.1f} GiB available: it will not run here", file=log)
 
 
 def family_summary(family: str, gears: Iterable[Gear]) -> str:
