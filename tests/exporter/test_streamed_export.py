@@ -87,3 +87,19 @@ def test_calibration_a_layer_at_a_time_gives_the_whole_graphs_scales(tmp_path: P
     for name in whole:  # float32 runs of the same ops on the same rows: equal to rounding, at most
         np.testing.assert_allclose(sliced[name], whole[name], rtol=1e-6, atol=0, err_msg=name)
     assert (tmp_path / "whole" / WEIGHTS).read_bytes() == (tmp_path / "sliced" / WEIGHTS).read_bytes()
+
+
+def test_a_weight_with_nan_is_refused_naming_its_checkpoint_tensor(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from pagedgraph.exporter.onnx.weights_file import NonFiniteWeight
+
+    checkpoint = write_random_llama(tmp_path / "ckpt")
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, str(checkpoint / "model.safetensors"))
+    config = ExportConfig.model_validate({"model": {"source": str(checkpoint)}, "export": {"max_model_len": 64}})
+    with pytest.raises(NonFiniteWeight, match=r"model.layers.1.mlp.gate_proj.weight, model.layers.1.mlp.up_proj.weight "
+                                              r"\(graph weight layers.1.gate_up\) hold NaN or Inf"):
+        export(config, tmp_path / "out", log=io.StringIO())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
