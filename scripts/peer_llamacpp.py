@@ -6,9 +6,16 @@ for our engine; the same definition timed around llama.cpp's `generate`). Engine
 fresh prompts (the next seed, the same for every engine); the best of --rounds is reported.
 
 A measurement script only: nothing in the tests or the runtime imports it. llama-cpp-python builds llama.cpp
-from source with native flags:
+from source with native flags, into a venv that sees ours (its site-packages then go on PYTHONPATH):
 
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-deps llama-cpp-python diskcache
+    python -m venv --system-site-packages LLAMA_VENV
+    CMAKE_ARGS="-DGGML_NATIVE=ON" LLAMA_VENV/bin/pip install --no-deps llama-cpp-python diskcache
+
+A GGUF of an HF checkpoint at llama.cpp's 8-bit form (Q8_0, for our w8a8) comes from the convert_hf_to_gguf.py
+that the llama-cpp-python sdist carries (`pip download --no-deps --no-binary :all: llama-cpp-python`, then its
+vendor/llama.cpp; it needs sentencepiece importable even for a BPE tokenizer, and its gguf-py on PYTHONPATH):
+
+    PYTHONPATH=vendor/llama.cpp/gguf-py python vendor/llama.cpp/convert_hf_to_gguf.py HF --outtype q8_0 --outfile Q8.gguf
 
 Measuring (the machine should be idle; artifacts exported with --quantization none / gguf):
 
@@ -45,6 +52,8 @@ def llama_cpp_tok_s(llm: Any, prompt: list[int], max_tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", action="append", required=True, help="our artifact (repeatable)")
+    parser.add_argument("--kv-cache-dtype", action="append", dest="kv_cache_dtypes",
+                        help="our engines' KV cache dtype (repeatable: each artifact runs with each; default: auto)")
     parser.add_argument("--gguf", help="the GGUF llama.cpp runs (default: the bundled SmolLM2 Q4_1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -58,7 +67,10 @@ def main() -> None:
     gguf = args.gguf or str(default_model_path())
     llm = Llama(model_path=gguf, n_threads=args.threads, n_threads_batch=args.threads,
                 n_ctx=args.prompt_tokens + args.max_tokens + 8, n_batch=args.prompt_tokens, verbose=False)
-    engines = {a: LLMEngine(a, EngineConfig(threads=args.threads)) for a in args.artifact}
+    dtypes = args.kv_cache_dtypes or ["auto"]
+    engines = {f"{a} ({d} KV)" if len(dtypes) > 1 else a: LLMEngine(a, EngineConfig(threads=args.threads,
+                                                                                    kv_cache_dtype=d))
+               for a in args.artifact for d in dtypes}
     best: dict[str, float] = {}
     for round_ in range(args.rounds):
         rng = np.random.default_rng(round_)
@@ -72,7 +84,7 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()), flush=True)
     results = {"gguf": Path(gguf).name, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "decode_tok_s": best,
-               "precision": {a: engines[a].manifest.precision() for a in args.artifact}}
+               "precision": {name: engines[name].manifest.precision() for name in engines}}
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
