@@ -14,7 +14,3 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, regex, grammar or choice list, as JSON text; each function's parameters
 
-
-def too_many(count: int, what: str, cap: int) -> str | None:
-    """The refusal of `count` items where at most `cap` are accepted, or None within the cap."""
-    return None if count <= cap else f"{count:,} {what}; at most {cap:,} are accepted per request"

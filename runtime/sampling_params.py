@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .constraints import Constraint, ConstraintError
-from .request_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, too_many
+from .request_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 # OpenAI's range for logit_bias values; larger biases are clamped to it (as vLLM does).
 LOGIT_BIAS_LIMIT = 100.0
@@ -108,9 +108,8 @@ class SamplingParams:
                   ("stop_token_ids", len(self.stop_token_ids), "stop token ids", MAX_STOP_TOKEN_IDS),
                   ("logit_bias", len(self.logit_bias or ()), "entries", MAX_LOGIT_BIAS))
         for name, count, what, cap in counts:
-            problem = too_many(count, what, cap)
-            if problem is not None:
-                raise RequestError(name, problem)
+            if count > cap:
+                raise RequestError(name, f"{count:,} {what}; at most {cap:,} are accepted per request")
         longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
         if longest > MAX_STOP_CHARS:
             raise RequestError("stop", f"a stop string of {longest:,} characters; at most {MAX_STOP_CHARS} are "

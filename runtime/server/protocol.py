@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..constraints import Constraint, ConstraintError
-from ..request_limits import MAX_SCHEMA_CHARS, MAX_TOOLS, too_many
+from ..request_limits import MAX_SCHEMA_CHARS, MAX_TOOLS
 from ..sampling_params import RequestError, SamplingParams
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -285,9 +285,8 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        problem = too_many(len(tools or ()), "tools", MAX_TOOLS)
-        if problem is not None:
-            raise ValueError(problem)
+        if len(tools or ()) > MAX_TOOLS:
+            raise ValueError(f"{len(tools or ()):,} tools; at most {MAX_TOOLS} are accepted per request")
         names = [t.function.name for t in tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
