@@ -142,7 +142,7 @@ class Fleet:
                              "passes)", i, child.pid, replica.url)
 
     # -- stop -------------------------------------------------------------------------------------
-    def signal(self, sig: int, frame: FrameType | None) -> None:
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
         if self.stop.is_set():
             log.warning("signal %d again: killing the fleet", sig)
             self._killed = True
@@ -179,7 +179,7 @@ def run_fleet(deployment: Deployment) -> int:
         raise ConfigError("fleet: data_parallel_size 1 and no replica_urls is one server: `pagedgraph serve`")
     fleet = Fleet(deployment, plan_fleet(deployment))
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, fleet.signal)
+        signal.signal(sig, fleet.on_signal)
     failed = False
     try:
         fleet.start()
