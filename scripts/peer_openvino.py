@@ -8,6 +8,10 @@ Runs in its own venv (optimum-intel's exporter pins its own transformers; torch 
     HF_HUB_OFFLINE=1 VENV/bin/optimum-cli export openvino --model HF --task text-generation-with-past \\
         --weight-format fp32 OV   # HF: the bundled GGUF as fp32 (scripts/peer_genai.py --make-hf HF)
 
+For a checkpoint of more than 1B parameters, optimum-cli's default (no --weight-format) compresses the weights to
+int8 (asymmetric, per channel: its log's "int8_asym, per-channel" for 156 of 157 layers at the 1.1B shape), the
+peer of our w8a8: `optimum-cli export openvino --model CKPT --task text-generation-with-past OV`.
+
 The workload comes from scripts/peer_workload.py (run in our env). Requests go to GenAI's
 ContinuousBatchingPipeline (`add_request` with token ids, `step`, each handle read after every step, so each
 token is timed when the pipeline returns it); greedy, `ignore_eos`, exactly `max_tokens` each; its scheduler at

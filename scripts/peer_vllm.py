@@ -13,7 +13,10 @@ returns it; greedy, `ignore_eos`, exactly `max_tokens` each. One --dtype per pro
     HF_HUB_OFFLINE=1 VENV/bin/python scripts/peer_vllm.py --model DIR --workload W.json --dtype auto --json out.json
 
 --dtype auto is vLLM's default: for this fp32 checkpoint on a CPU with AVX-512 BF16 it picks bfloat16 (its log:
-"Downcasting torch.float32 to torch.bfloat16"); the JSON records the dtype the engine ran. A measurement script only:
+"Downcasting torch.float32 to torch.bfloat16"); for a float16 checkpoint (scripts/make_checkpoint.py's) it keeps
+float16, which its CPU platform lists as supported; the JSON records the dtype the engine ran. Without
+VLLM_CPU_KVCACHE_SPACE (--kv-cache-gib) vLLM 0.32 asks for 0.92 of the machine's memory and refuses to start on a
+shared one; the 24 mixed requests need under 1 GiB of float16 KV at the 1.1B shape. A measurement script only:
 nothing in the tests or the runtime imports it.
 """
 from __future__ import annotations
