@@ -43,7 +43,7 @@ from ..graphs import llama
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
 from ..graphs.kv_cache import CacheFormat, cache_format
-from ..graphs.quant import Weight, form_of
+from ..graphs.quant import DenseForm, Weight
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -69,6 +69,14 @@ class OnnxWeights:
     initializers: dict[str, onnx.TensorProto]
     forms: llama.WeightForms
     nbytes: dict[str, int]
+
+    def session_bytes(self, name: str) -> int:
+        """What graph weight `name` takes in an ONNX Runtime session without the custom ops (the slices of
+        calibration and checks): its stored bytes, twice for bfloat16, which the portable Linear.bfloat16 body
+        widens to float32 once at session creation (constant folding)."""
+        form = self.forms.forms.get(name)
+        widened = isinstance(form, DenseForm) and form.dtype == "bfloat16"
+        return self.nbytes.get(name, 0) * (2 if widened else 1)
 
 
 def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None, force: bool = False,
@@ -330,8 +338,9 @@ class CalibrationSource:
 def _calibration_bar(log: TextIO, groups: list[tuple[int, ...]], options: ExportOptions,
                      gears: dict[str, tuple[Gear, ...]], tokens: list[int], what: str) -> tqdm:
     windows = calibration_windows(tokens, options.kv_cache_calibration_window, gears[c.PREFILL], options.block_size)
-    return _bar(log, len(groups) * len(windows), f"calibrating {what}" + (
-        f" ({len(groups)} slices of layers)" if len(groups) > 1 else ""), "window")
+    layered = sum(1 for layers in groups if layers)  # the LM head alone is not run
+    return _bar(log, layered * len(windows), f"calibrating {what}" + (
+        f" ({layered} slices of layers)" if layered > 1 else ""), "window")
 
 
 def _kv_scales(model: ModelConfig, config: ExportConfig, gears: dict[str, tuple[Gear, ...]], staging: Path,
@@ -344,7 +353,7 @@ def _kv_scales(model: ModelConfig, config: ExportConfig, gears: dict[str, tuple[
         return {}
     tokens, source = calibration.tokens
     if written is not None and config.model.dtype == "float32":
-        groups = layer_groups(model, lambda name: written.nbytes.get(name, 0))
+        groups = layer_groups(model, written.session_bytes)
         slices = artifact_slices(staging / GRAPH, model, options.block_size, written.forms, "float32",
                                  written.initializers, groups)
     else:
@@ -448,8 +457,8 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
     every layer, the largest through the first and last slices (the layers between run the same shapes). Where
     even one slice does not fit the available memory, nothing runs and the export says so."""
     model = manifest.model
-    groups = layer_groups(model, lambda name: written.nbytes.get(name, 0))
-    largest = max(sum(written.nbytes.get(n, 0) for n in slice_weights(model, layers, index + 1 == len(groups)))
+    groups = layer_groups(model, written.session_bytes)
+    largest = max(sum(written.session_bytes(n) for n in slice_weights(model, layers, index + 1 == len(groups)))
                   for index, layers in enumerate(groups))
     have = available_memory()
     if have is not None and 2.5 * largest > have:

@@ -70,7 +70,8 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
                      in zip(float32.items(), graph_sources(model).values()))
     tokens = max(g.tokens for family in plan_gears(model, options).values() for g in family)
     activations = 16 * tokens * max(model.intermediate_size, model.hidden_size)
-    running = 2.5 * _largest_slice(model, stored) + activations
+    # a bfloat16 graph's slices hold their linears widened to float32 (OnnxWeights.session_bytes)
+    running = 2.5 * _largest_slice(model, float32 if config.model.dtype == "bfloat16" else stored) + activations
     if needs_float32:
         running = max(running, 2.5 * _largest_slice(model, float32) + activations)
     memory = BASELINE + max(converting, running)

@@ -70,6 +70,14 @@ def _measured(config: dict[str, Any], out: str) -> tuple[dict[str, Any], str]:
     return json.loads(run.stdout.splitlines()[-1]), run.stderr
 
 
+def _code() -> str:
+    """The commit measured (with "+" when the tree has changes)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout
+    return head.strip() + ("+" if dirty.strip() else "")
+
+
 def _lines(stderr: str) -> list[str]:
     """The export's own lines (progress bars' carriage-return updates dropped)."""
     return [line for line in (part.split("\r")[-1].strip() for part in stderr.splitlines())
@@ -84,8 +92,8 @@ def _run(name: str, checkpoint: Path, precision: str, out_root: Path, keep: bool
     load_start = os.getloadavg()[0]
     result, stderr = _measured(config, str(out))
     lines = _lines(stderr)
-    record = {"checkpoint": name, "precision": precision, "date_utc": datetime.now(timezone.utc).isoformat(
-        timespec="seconds"), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
+    record = {"checkpoint": name, "precision": precision, "code": _code(), "date_utc": datetime.now(
+        timezone.utc).isoformat(timespec="seconds"), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
         "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.glob("*.safetensors")), **result}
     if result["returncode"]:
         record["error"] = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")
