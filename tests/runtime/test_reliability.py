@@ -35,6 +35,8 @@ from tests.runtime.kv_sim import check_invariants
 from tests.runtime.test_deploy_config import _manifest
 
 PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time", "2 + 2 ="]
+# Long enough for 24 tokens on a loaded 2-core machine; far too short for the 1,200-token request on any CPU.
+DRAIN_S = 10
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -206,7 +208,7 @@ def served(smollm2_artifact: Path, tmp_path: Path) -> Iterator[Serve]:
     config = tmp_path / "deploy.yaml"
     config.write_text(f"model: {{artifact: {smollm2_artifact}, name: smol}}\nkv_cache: {{num_blocks: 256}}\n"
                       "buckets: {decode_batch: [1, 4]}\nexecutor: {threads: 2}\n"
-                      f"server: {{port: 0, api_key: {KEY}, drain_timeout_s: 4}}\n")
+                      f"server: {{port: 0, api_key: {KEY}, drain_timeout_s: {DRAIN_S}}}\n")
     serve = Serve(config)
     yield serve
     if serve.proc.poll() is None:
@@ -242,7 +244,7 @@ def test_sigterm_drains_then_exits_zero_and_the_log_keeps_secrets(served: Serve)
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length", short[-3:]
     assert "".join(e["choices"][0]["text"] for e in short if isinstance(e, dict) and e["choices"])
     assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == "server_shutting_down", long[-3:]
-    assert "drain_timeout_s = 4" in long[-2]["error"]["message"]
+    assert f"drain_timeout_s = {DRAIN_S}" in long[-2]["error"]["message"]
 
     log = served.log
     assert "draining" in log and re.search(r"req-\d+ /v1/completions: \d+ prompt \+ 24 completion tokens, length", log)
