@@ -29,6 +29,23 @@ class Family:
 
 
 @dataclass(frozen=True)
+class RankLayout:
+    """One tensor-parallel rank: its graphs' folder (graphs/rank<r>/: each graph file and its weights) and the
+    half-open ranges of query heads, KV heads and intermediate channels it holds (graphs/tensor_parallel.py)."""
+
+    rank: int
+    folder: str
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RankLayout":
+        return cls(int(data["rank"]), data["folder"], *(tuple(int(v) for v in data[k])
+                                                        for k in ("heads", "kv_heads", "intermediate")))
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: ModelConfig
     block_size: int
@@ -47,6 +64,10 @@ class Manifest:
     op_set_version: int = OP_SET_VERSION
     # KV-cache dtypes the artifact has graphs for (kv_variant names them); () in older artifacts: `dtype` only.
     kv_cache_dtypes: tuple[str, ...] = ()
+    # export.tensor_parallel_size: with more than one rank, every graph file is per rank (`ranks`); the embedding,
+    # the LM head and the norms are replicated on each.
+    tensor_parallel_size: int = 1
+    ranks: tuple[RankLayout, ...] = ()
 
     @property
     def served_kv_cache_dtypes(self) -> tuple[str, ...]:
@@ -62,9 +83,10 @@ class Manifest:
                 f"export.kv_cache_dtypes")
         return dtype
 
-    def graph_for(self, family: str, kv_cache_dtype: str) -> str:
-        """The graph file of `family` whose pools hold `kv_cache_dtype`."""
-        return kv_variant(self.families[family].graph, kv_cache_dtype, self.dtype)
+    def graph_for(self, family: str, kv_cache_dtype: str, rank: int | None = None) -> str:
+        """The graph file of `family` whose pools hold `kv_cache_dtype` (rank `rank`'s with tensor parallelism)."""
+        graph = kv_variant(self.families[family].graph, kv_cache_dtype, self.dtype)
+        return graph if rank is None else rank_file(graph, self.ranks[rank].folder)
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
@@ -101,6 +123,8 @@ class Manifest:
                 format_version=int(data["format_version"]),
                 op_set_version=int(data["op_set_version"]),
                 kv_cache_dtypes=tuple(data.get("kv_cache_dtypes", ())),
+                tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
+                ranks=tuple(RankLayout.from_dict(r) for r in data.get("ranks", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"{path} is malformed ({exc}); {redo}") from exc
@@ -178,6 +202,16 @@ def kv_variant(graph: str, kv_cache_dtype: str, compute_dtype: str) -> str:
         return graph
     stem, _, ext = graph.rpartition(".")
     return f"{stem}.kv-{kv_cache_dtype}.{ext}"
+
+
+def rank_folder(path: str, rank: int) -> str:
+    """Rank `rank`'s folder beside `path`'s: `graphs/model.onnx` -> `graphs/rank1`."""
+    return f"{path.rpartition('/')[0]}/rank{rank}"
+
+
+def rank_file(path: str, folder: str) -> str:
+    """`path`'s file in a rank's `folder`: `graphs/model.onnx` in `graphs/rank1` -> `graphs/rank1/model.onnx`."""
+    return f"{folder}/{path.rpartition('/')[2]}"
 
 
 def file_sha256(path: Path) -> str:

@@ -103,6 +103,10 @@ class ExportOptions(Settings):
                                          "alpha for the norm-fed linears (null: no migration); 0.8 by measurement "
                                          "(docs/performance.md, W8A8 on Ascend)")
     kv_cache_calibration_window: int = Field(512, ge=16, description="tokens per calibration window (one prompt each)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model is split over (vLLM's --tensor-parallel-size): one graph set per rank, "
+                             "column-parallel QKV and gate/up, row-parallel o_proj and down with an AllReduce after "
+                             "each; must divide the heads, KV heads and intermediate size (docs/scale-out.md)")
 
     @model_validator(mode="after")
     def _baseline_needs_onnx(self) -> "ExportOptions":
@@ -193,6 +197,23 @@ class ExportConfig(Settings):
         data["model"] = {**data.get("model", {}), "quantization": quantization}
         return validate(ExportConfig, data, f"the export config with model.quantization: {quantization} (the "
                                             "checkpoint's quantization_config.quant_method)")
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> "ExportConfig":
+        """What the rank graphs are built for: the compute dtype's cache, no baseline, MINDIR on Ascend only."""
+        options = self.export
+        if options.tensor_parallel_size == 1:
+            return self
+        size = f"export.tensor_parallel_size = {options.tensor_parallel_size}"
+        if options.kv_cache_dtypes != [self.model.dtype]:
+            raise ValueError(f"{size} with export.kv_cache_dtypes = {options.kv_cache_dtypes}: the rank graphs hold "
+                             f"the compute dtype's cache only; nearest valid: kv_cache_dtypes [{self.model.dtype}]")
+        if options.baseline:
+            raise ValueError(f"{size}: the naive baseline is one whole graph; remove export.baseline")
+        if "mindir" in options.formats and options.target != "ascend":
+            raise ValueError(f"{size}: the CPU MINDIR is single-device; nearest valid: export.target ascend "
+                             "(HCCL AllReduce), or export.formats [onnx] (the runtime's simulation)")
+        return self
 
     @model_validator(mode="after")
     def _kv_cache_dtypes(self) -> "ExportConfig":

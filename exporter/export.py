@@ -20,7 +20,8 @@ import onnx
 from onnx import numpy_helper
 from tqdm import tqdm
 
-from ..artifact.manifest import MANIFEST, Family, Manifest, contents, file_sha256, fresh_sibling, kv_variant
+from ..artifact.manifest import (MANIFEST, Family, Manifest, RankLayout, contents, file_sha256, fresh_sibling,
+                                 kv_variant, rank_file, rank_folder)
 from ..artifact.mindir import INDEX as MINDIR_INDEX
 from ..artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from .buckets import plan_gears
@@ -37,6 +38,7 @@ from .onnx.weights_file import StreamedWeights, WeightsFile
 from .quantize import quantize_weights, w8a8_int8
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
 from .smoothquant import smooth
+from .tensor_parallel import sharded
 from .tokenizer_files import write_tokenizer
 from ..graphs import contract as c
 from ..graphs import llama
@@ -44,6 +46,7 @@ from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
 from ..graphs.kv_cache import CacheFormat, cache_format
 from ..graphs.quant import DenseForm, Weight
+from ..graphs.tensor_parallel import RankShard, check_size, rank_config, shards
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -105,6 +108,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     model = checkpoint.config
     config = _implied_defaults(config, model, log)
     options = config.export
+    check_size(model, options.tensor_parallel_size)
     gears = plan_gears(model, options)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     needs = export_needs(model, config, checkpoint_bytes(Path(raw.source)))
@@ -115,9 +119,13 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
               f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
         written = None
+        ranks = shards(model, options.tensor_parallel_size) if options.tensor_parallel_size > 1 else ()
         if "onnx" in options.formats:
-            written = _write_onnx(checkpoint, options.max_model_len, options.block_size, options.accuracy_level,
-                                  config.model.dtype, staging, log)
+            for shard in ranks or (None,):
+                onnx_weights = _write_onnx(checkpoint, options.max_model_len, options.block_size,
+                                           options.accuracy_level, config.model.dtype, staging, log, shard)
+            # the rank graphs run only together (AllReduce): no calibration slices, variants or gear check over one
+            written = None if ranks else onnx_weights
         with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
             calibration = CalibrationSource(raw, options, calibration_text, Path(scratch))
             kv_scales = _kv_scales(model, config, gears, staging, written, calibration, log)
@@ -146,7 +154,10 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
             files=files, export_config=config.model_dump(mode="json"),
             generation_defaults={name: {"value": value, "source": checkpoint.generation_source}
                                  for name, value in checkpoint.generation_defaults.items()},
-            exported_with=_versions(), kv_cache_dtypes=tuple(options.kv_cache_dtypes))
+            exported_with=_versions(), kv_cache_dtypes=tuple(options.kv_cache_dtypes),
+            tensor_parallel_size=options.tensor_parallel_size,
+            ranks=tuple(RankLayout(s.rank, rank_folder(GRAPH, s.rank), s.heads, s.kv_heads, s.intermediate)
+                        for s in ranks))
         (staging / MANIFEST).write_text(manifest.to_json())
         reports = _verify_gears(staging, manifest, written, kv_scales, log) \
             if options.verify_gears and written is not None else []
@@ -293,21 +304,29 @@ def _bar(log: TextIO, total: float, desc: str, unit: str) -> tqdm:
 
 
 def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, dtype: str,
-                out: Path, log: TextIO) -> OnnxWeights:
+                out: Path, log: TextIO, shard: RankShard | None = None) -> OnnxWeights:
     """GRAPH (its KV cache in the compute dtype, kv_cache.dtype auto) and WEIGHTS, one graph weight at a time: the
-    model definition's first read of a weight converts it from the checkpoint and appends it to WEIGHTS."""
+    model definition's first read of a weight converts it from the checkpoint and appends it to WEIGHTS.
+
+    With a tensor-parallel `shard`, rank shard.rank's graph and weights, in its folder (graphs/rank<r>/)."""
     model = checkpoint.config
     params = graph_weight_params(model, max_positions)
-    (out / GRAPH).parent.mkdir(parents=True)
-    with WeightsFile(out / WEIGHTS) as weights, _bar(log, sum(params.values()), "converting weights", "") as bar:
-        store = StreamedWeights(graph_sources(model), functools.partial(
-            llama.graph_weight, model, checkpoint.tensors, max_positions=max_positions, dtype=dtype), weights,
-            lambda name: bar.update(params[name]))
-        builder = OnnxBuilder(model, store.initializer, dtype)  # pools of the compute dtype
-        llama.build(builder, model, block_size, llama.WeightForms(store.forms, accuracy_level), dtype)
+    size = 1 if shard is None else shard.size
+    graph_path, weights_path = ((GRAPH, WEIGHTS) if shard is None else
+                                (rank_file(p, rank_folder(GRAPH, shard.rank)) for p in (GRAPH, WEIGHTS)))
+    (out / graph_path).parent.mkdir(parents=True)
+    convert = functools.partial(llama.graph_weight, model, checkpoint.tensors, max_positions=max_positions,
+                                dtype=dtype)
+    desc = "converting weights" + ("" if shard is None else f" (rank {shard.rank} of {size})")
+    with WeightsFile(out / weights_path) as weights, _bar(log, sum(params.values()), desc, "") as bar:
+        store = StreamedWeights(graph_sources(model), convert if shard is None else sharded(convert, model, shard),
+                                weights, lambda name: bar.update(params[name]))
+        builder = OnnxBuilder(rank_config(model, size), store.initializer, dtype)  # pools of the compute dtype
+        llama.build(builder, model, block_size, llama.WeightForms(store.forms, accuracy_level), dtype,
+                    tensor_parallel_size=size)
         graph = builder.model("pagedgraph")
-    onnx.save_model(graph, out / GRAPH)
-    onnx.checker.check_model(out / GRAPH, full_check=True)
+    onnx.save_model(graph, out / graph_path)
+    onnx.checker.check_model(out / graph_path, full_check=True)
     return OnnxWeights(store.written, llama.WeightForms(store.known_forms(), accuracy_level), store.nbytes)
 
 
@@ -546,8 +565,10 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
     """A few lines per bucket family; with `verbose`, one row per gear (the full table is the manifest's)."""
     size = {rel: (out / rel).stat().st_size for rel in manifest.files}
     print("", file=log)
+    first = 0 if manifest.ranks else None  # with tensor parallelism, rank 0's graph stands for each rank's
     for family, spec in manifest.families.items():
-        print(f"{family_summary(family, spec.gears)}; graph {spec.graph} {size[spec.graph] / 1e6:.2f} MB", file=log)
+        graph = manifest.graph_for(family, manifest.dtype, first) if spec.graph == GRAPH else spec.graph
+        print(f"{family_summary(family, spec.gears)}; graph {graph} {size[graph] / 1e6:.2f} MB", file=log)
     if verbose:
         timed: dict[tuple[str, Gear], float] = {}
         for r in reports:  # the compute dtype's graph first: its times are the ones shown
@@ -558,7 +579,11 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
                 run = timed.get((family, g))
                 print(f"{family + f' T={g.tokens} B={g.seqs} M={g.blocks}':30} {f'[{g.tokens}]':>10} "
                       f"{f'[{g.seqs},{g.blocks}]':>13} {f'{run:.2f}s' if run is not None else '-':>8}", file=log)
-    weights = size.get(WEIGHTS) or size[MINDIR_WEIGHTS]
+    weights = size.get(WEIGHTS) or size.get(MINDIR_WEIGHTS) or 0
+    for rank in manifest.ranks:
+        print(f"rank {rank.rank}: heads {rank.heads}, KV heads {rank.kv_heads}, intermediate {rank.intermediate}; "
+              f"weights {size[rank_file(WEIGHTS, rank.folder)] / 1e6:.1f} MB", file=log)
+        weights += size[rank_file(WEIGHTS, rank.folder)]
     print(f"weights {weights / 1e6:.1f} MB stored once for all "
           f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s "
           f"(every gear: `pagedgraph inspect --artifact {shlex.quote(str(out))} --gears`, or export with --verbose)",

@@ -19,6 +19,7 @@ from .ops.linear_bf16 import BFLOAT16, to_bfloat16
 from .ops.op import OpBuilder
 from .quant import BlockForm, BlockQuantized, DenseForm, Int8Form, Int8PerChannel, Weight, WeightForm, concat_rows
 from .rope_tables import rope_tables
+from .tensor_parallel import rank_config
 
 T = TypeVar("T")
 
@@ -160,9 +161,13 @@ class WeightForms:
 
 
 def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms = WeightForms(),
-          kv_cache_dtype: str = "float32", layers: Sequence[int] | None = None, head: bool = True) -> None:
+          kv_cache_dtype: str = "float32", layers: Sequence[int] | None = None, head: bool = True,
+          tensor_parallel_size: int = 1) -> None:
     """Emit one bucket graph following the bucket-graph contract; `forms` says which weights are quantized,
     `kv_cache_dtype` what the pools hold.
+
+    With `tensor_parallel_size` N > 1 the graph is one rank's (graphs/tensor_parallel.py): its heads, KV heads and
+    intermediate channels, over that rank's weights, with an AllReduce after o_proj and after down.
 
     The cache dtype picks the variants of ReshapeAndCache and PagedAttention; an int8 cache reads each
     layer's calibrated parameters as weights (graphs/kv_cache.py names them).
@@ -179,7 +184,7 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
     if not order:
         x = b.input(c.SLICE_INPUTS[1])
     else:
-        x, hidden = _layers(b, config, block_size, forms, kv_cache_dtype, order)
+        x, hidden = _layers(b, config, block_size, forms, kv_cache_dtype, order, tensor_parallel_size)
         if not head:
             for name, value in zip(c.SLICE_OUTPUTS, (hidden, x)):
                 b.output(name, value)
@@ -189,8 +194,14 @@ def build(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightFo
 
 
 def _layers(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: WeightForms, kv_cache_dtype: str,
-            order: list[int]) -> tuple[T, T]:
+            order: list[int], tensor_parallel_size: int) -> tuple[T, T]:
     """Layers `order` (from the embedding when they start at 0): the normed residual stream and the stream."""
+    config = rank_config(config, tensor_parallel_size)
+
+    def reduced(partial: T) -> T:  # a row-parallel linear's partial sum, completed over the ranks
+        return partial if tensor_parallel_size == 1 else b.emit(ops.ALL_REDUCE, partial,
+                                                                rank_size=tensor_parallel_size)
+
     write, attend = ops.KV_CACHE_OPS[kv_cache_dtype]
     quantized = cache_format(kv_cache_dtype).quantized
     positions = b.input(c.POSITIONS)
@@ -223,9 +234,9 @@ def _layers(b: OpBuilder[T], config: ModelConfig, block_size: int, forms: Weight
         attn = b.emit(attend, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
                       *(params[f] for f in DEQUANT_INPUTS if quantized), **attention)
         # Each residual Add and the norm reading its sum are one AddRmsNorm (the last layer's feeds the final norm)
-        x, hidden = b.emit(ops.ADD_RMS_NORM, forms.linear(b, attn, w + "o_proj"), hidden, b.weight(w + "post_norm"),
-                           **norm)
-        down = forms.linear(b, b.emit(ops.SWIGLU, forms.linear(b, x, w + "gate_up")), w + "down")
+        x, hidden = b.emit(ops.ADD_RMS_NORM, reduced(forms.linear(b, attn, w + "o_proj")), hidden,
+                           b.weight(w + "post_norm"), **norm)
+        down = reduced(forms.linear(b, b.emit(ops.SWIGLU, forms.linear(b, x, w + "gate_up")), w + "down"))
         following = order[position + 1] if position + 1 < len(order) else i + 1
         after = f"layers.{following}.input_norm" if following < config.num_layers else "final_norm"
         x, hidden = b.emit(ops.ADD_RMS_NORM, down, hidden, b.weight(after), **norm)

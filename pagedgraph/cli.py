@@ -40,7 +40,8 @@ def _export(args: argparse.Namespace) -> int:
     formats = args.formats.split(",") if args.formats else None
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
                                           "export.target": args.target, "export.baseline": args.baseline,
-                                          "model.dtype": args.dtype, "model.quantization": args.quantization})
+                                          "model.dtype": args.dtype, "model.quantization": args.quantization,
+                                          "export.tensor_parallel_size": args.tensor_parallel_size})
     export(config, args.out, force=args.force, verbose=args.verbose, calibration_text=shipped_text("calibration"))
     return 0
 
@@ -363,6 +364,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="override model.quantization: gguf runs the GGUF's own blocks, w8a16/w4a16 quantize the "
                         "weights round-to-nearest, gptq/awq run a GPTQ/AWQ checkpoint's own blocks (none reads "
                         "such a checkpoint so too) (default: the YAML's, else none)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, dest="tensor_parallel_size",
+                   help="override export.tensor_parallel_size: one graph set per rank, the model split over them "
+                        "(default: the YAML's, else 1)")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.set_defaults(func=_export)
 

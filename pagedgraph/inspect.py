@@ -3,6 +3,7 @@ checksums), read from its manifest, so nobody has to read manifest.json by hand.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
         "families": {name: {"graph": spec.graph, "gears": len(spec.gears), "summary": family_summary(name, spec.gears),
                             "gear_list": [[g.tokens, g.seqs, g.blocks] for g in spec.gears]}
                      for name, spec in manifest.families.items()},
+        "tensor_parallel": {"size": manifest.tensor_parallel_size, "ranks": [
+            {**asdict(rank), "bytes": sum(f["bytes"] or 0 for rel, f in files.items()
+                                          if rel.startswith(rank.folder + "/"))} for rank in manifest.ranks]},
         "generation_defaults": manifest.generation_defaults,
         "export_config": manifest.export_config,
         "versions": {"format": manifest.format_version, "op_set": manifest.op_set_version, **manifest.exported_with},
@@ -50,10 +54,18 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
              f"{', tied embeddings' if m['tie_word_embeddings'] else ''}; from {m['source']}",
              f"dtype         {record['dtype']}, block_size {record['block_size']}, "
              f"max_model_len {record['max_model_len']}"]
+    tp = record.get("tensor_parallel", {"size": 1, "ranks": []})
     for name, family in record["families"].items():
-        lines.append(f"buckets       {family['summary']} ({family['graph']})")
+        where = family["graph"] if tp["size"] == 1 else f"{family['graph'].rpartition('/')[2]} of each rank"
+        lines.append(f"buckets       {family['summary']} ({where})")
         if gears:
             lines += [f"                {name} T={t} B={b} M={mb}" for t, b, mb in family["gear_list"]]
+    if tp["size"] > 1:
+        lines.append(f"tensor        parallel over {tp['size']} ranks (graphs and weights per rank; embedding, LM head "
+                     "and norms replicated)")
+        lines += [f"                rank {r['rank']}: heads {r['heads'][0]}-{r['heads'][1] - 1}, KV heads "
+                  f"{r['kv_heads'][0]}-{r['kv_heads'][1] - 1}, intermediate {r['intermediate'][0]}-"
+                  f"{r['intermediate'][1] - 1}; {r['folder']} {r['bytes'] / 1e6:.1f} MB" for r in tp["ranks"]]
     defaults = record["generation_defaults"]
     lines.append("sampling      " + ("; ".join(f"{k} {v['value']} (from {v['source']})" for k, v in defaults.items())
                                      or "no generation defaults in the checkpoint: SamplingParams' own apply"))

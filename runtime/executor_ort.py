@@ -157,12 +157,12 @@ def register_custom_ops(options: ort.SessionOptions, mode: CustomOps) -> bool:
     return True
 
 
-def pool_values(pools: KVPools) -> dict[str, ort.OrtValue]:
-    """Each pool as an OrtValue over its own memory, by its bits: ORT's numpy bridge has no bfloat16 (the OrtValue
-    still wraps the array, no copy)."""
+def pool_values(pools: KVPools, rank: int = 0) -> dict[str, ort.OrtValue]:
+    """Each pool (of tensor-parallel rank `rank`) as an OrtValue over its own memory, by its bits: ORT's numpy bridge
+    has no bfloat16 (the OrtValue still wraps the array, no copy)."""
     fmt = pools.format
     return {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{fmt.itemsize}"), fmt.onnx_type)
-            for name, a in pools.items()}
+            for name, a in pools.rank(rank).items()}
 
 
 def step_binding(session: ort.InferenceSession, inputs: dict[str, np.ndarray], pools: dict[str, ort.OrtValue],

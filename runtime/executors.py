@@ -32,13 +32,22 @@ def make_executor(name: str, artifact: Path, manifest: Manifest, pools: KVPools,
                   custom_ops: CustomOps) -> Executor:
     """MindSpore is imported lazily: it is an optional extra and takes seconds to import.
 
-    MindSpore ignores `custom_ops`: its MINDIR graphs call pagedgraph's kernels themselves.
+    MindSpore ignores `custom_ops`: its MINDIR graphs call pagedgraph's kernels themselves. A tensor-parallel
+    artifact runs its rank graphs in one process (runtime/tp_executor.py, the AllReduce simulated).
     """
+    if name == "onnxruntime" and manifest.tensor_parallel_size > 1:
+        from .tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(artifact, manifest, pools, threads, custom_ops)
     if name == "onnxruntime":
         return OrtExecutor(artifact, manifest, pools, threads, custom_ops)
     if name == "mindspore":
         from .executor_mindspore import MindSporeExecutor
 
+        if manifest.tensor_parallel_size > 1:
+            raise ValueError(f"executor mindspore: {artifact} is split over {manifest.tensor_parallel_size} ranks; "
+                             "the CPU MINDIR is single-device (Ascend rank graphs run under msrun, "
+                             "docs/scale-out.md); use executor onnxruntime (the single-process simulation)")
         if pools.kv_cache_dtype != "float32":
             raise ValueError(f"kv_cache_dtype = {pools.kv_cache_dtype!r}: the MINDIR graphs hold a float32 KV cache; "
                              f"use executor onnxruntime for a {pools.kv_cache_dtype} cache, or kv_cache_dtype auto")

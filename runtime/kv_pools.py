@@ -31,6 +31,9 @@ class KVPools(Mapping[str, np.ndarray]):
 
     Zeroed because NaN/Inf in never-written rows (the null block, block tails) would poison real
     rows through 0 * NaN in the attention's P.V product, even under the mask.
+
+    With tensor parallelism each rank's pools hold only its KV heads ([num_slots, kv_size / ranks], `rank(r)`),
+    every rank's blocks under the same ids; the Mapping is rank 0's.
     """
 
     def __init__(self, manifest: Manifest, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
@@ -45,8 +48,10 @@ class KVPools(Mapping[str, np.ndarray]):
         self.dtype = self.format.numpy_dtype
         self.bytes_per_block = bytes_per_block(manifest, self.kv_cache_dtype)
         model = manifest.model
-        self._arrays = {name: np.zeros((self.num_slots, model.kv_size), self.dtype)
-                        for name in c.cache_names(model.num_layers)}
+        self.ranks = manifest.tensor_parallel_size
+        self._ranks = [{name: np.zeros((self.num_slots, model.kv_size // self.ranks), self.dtype)
+                        for name in c.cache_names(model.num_layers)} for _ in range(self.ranks)]
+        self._arrays = self._ranks[0]
 
     @property
     def num_slots(self) -> int:
@@ -55,6 +60,10 @@ class KVPools(Mapping[str, np.ndarray]):
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    def rank(self, rank: int) -> Mapping[str, np.ndarray]:
+        """Rank `rank`'s pools (tensor parallelism; rank 0's are this Mapping's)."""
+        return self._ranks[rank]
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._arrays[name]
@@ -70,7 +79,7 @@ class KVPools(Mapping[str, np.ndarray]):
         if not pairs:
             return
         src, dst = (np.array(side, np.int64) for side in zip(*pairs))
-        for pool in self._arrays.values():
+        for pool in (pool for arrays in self._ranks for pool in arrays.values()):
             blocks = pool.reshape(self.num_blocks, self.block_size, pool.shape[1])
             blocks[dst] = blocks[src]
 
@@ -176,5 +185,7 @@ def pool_blocks(request: PoolRequest, free_bytes: int | None = None) -> int:
 
 
 def weights_bytes(artifact: Path) -> int:
-    """The artifact's weight files: what loading maps (and prepacking may copy)."""
-    return sum(p.stat().st_size for p in (Path(artifact) / "graphs").glob("*.bin"))
+    """The artifact's weight files: what loading maps (and prepacking may copy); every rank's with tensor
+    parallelism (the simulation loads them all)."""
+    graphs = Path(artifact) / "graphs"
+    return sum(p.stat().st_size for pattern in ("*.bin", "rank*/*.bin") for p in graphs.glob(pattern))

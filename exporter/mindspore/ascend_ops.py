@@ -201,6 +201,18 @@ class SelfAttention(Body):
         return ops.reshape(out, (tokens, -1))
 
 
+class AllReduce(Body):
+    """HCCL's sum over the world group: the launcher (msrun, a rank table) gives each process its rank and device;
+    `rank_size` is the group's size, which the graph does not need (docs/scale-out.md)."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__()
+        self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM)
+
+    def construct(self, x):
+        return self.all_reduce(x)
+
+
 class Float32Logits(Body):
     """The graph's logits leave in float32 (the contract), computed in float16."""
 
@@ -303,7 +315,8 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
      op_set.RESHAPE_AND_CACHE_BF16: ReshapeAndCache, op_set.PAGED_ATTENTION_BF16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,
      op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static,
-     op_set.LINEAR_BLOCK_QUANTIZED: LinearBlockQuantized, op_set.GATHER_BLOCK_QUANTIZED: GatherBlockQuantized})
+     op_set.LINEAR_BLOCK_QUANTIZED: LinearBlockQuantized, op_set.GATHER_BLOCK_QUANTIZED: GatherBlockQuantized,
+     op_set.ALL_REDUCE: AllReduce})
 MINDSPORE_ASCEND.refuse(op_set.BLOCK_MINIMUM, "the Ascend Linear.block_quantized body takes a minimum into "
                                              "WeightQuantBatchMatmul's antiquant offset; BlockMinimum is the ONNX "
                                              "body's exact term")

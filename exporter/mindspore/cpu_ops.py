@@ -133,3 +133,5 @@ for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
 for _write, _attend in (op_set.KV_CACHE_OPS[d] for d in ("bfloat16", "float16", "int8")):
     for _op in (_write, _attend):
         MINDSPORE_CPU.refuse(_op, "float32 pools only (kernels/mindspore_aot.cc); the ONNX graphs serve other caches")
+MINDSPORE_CPU.refuse(op_set.ALL_REDUCE, "the CPU MINDIR is single-device (export refuses export.tensor_parallel_size "
+                                        "> 1 with target cpu); tensor-parallel MINDIR is the Ascend target's (HCCL)")

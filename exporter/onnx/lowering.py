@@ -88,6 +88,12 @@ def _split(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
     return g.n.op("Split", inputs[0], g.n.const(list(attrs.sizes)), axis=-1, outputs=len(attrs.sizes))
 
 
+def _all_reduce(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
+    """One `atb` node without a function body: ONNX Runtime refuses a rank graph unless a kernel for it is
+    registered (a collective) or the runtime splits the graph there and sums (runtime/tp_executor.py)."""
+    return [g.n.op(ops.ALL_REDUCE.name, *inputs, domain=ATB_DOMAIN, rank_size=attrs.rank_size)]
+
+
 def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> list[str]:
     # Gemm with transB keeps ATB's [out, in] layout, so a tied LM head reads the embedding itself.
     return [g.n.op("Gemm", *(i for i in inputs if i is not None), transB=1)]
@@ -155,7 +161,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
                                          block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: partial(quantized.linear_w8a8, dynamic_quant=_FUNCTION_BODIES[ops.DYNAMIC_QUANT]),
-     ops.GATHER_BF16: _gather_bf16,
+     ops.GATHER_BF16: _gather_bf16, ops.ALL_REDUCE: _all_reduce,
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")

@@ -7,6 +7,7 @@ OP_SET_VERSION when a contract changes: artifacts record it and the runtime refu
 from .add import ADD, add
 from .add_rms_norm import ADD_RMS_NORM, add_rms_norm
 from .block_minimum import BLOCK_MINIMUM
+from .collectives import ALL_REDUCE, all_reduce
 from .gather import GATHER, gather
 from .kv_cache_variants import (KV_CACHE_OPS, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8,
                                           RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8)
@@ -30,13 +31,15 @@ OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, GATHER_BF16, ADD, SPLIT, 
                        LINEAR_W8A8, DYNAMIC_QUANT, LINEAR_W8A8_STATIC, LINEAR_BF16, BLOCK_MINIMUM, RMS_NORM,
                        ADD_RMS_NORM, ROPE, SWIGLU,
                        RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
-                       PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION)
+                       PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION,
+                       ALL_REDUCE)
 
 __all__ = [
-    "ADD", "ADD_RMS_NORM", "BLOCK_MINIMUM", "DYNAMIC_QUANT", "GATHER", "GATHER_BF16", "GATHER_BLOCK_QUANTIZED",
-    "KV_CACHE_OPS", "LINEAR", "LINEAR_BF16", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8", "LINEAR_W8A8_STATIC", "OPS",
-    "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16", "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8",
-    "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16", "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE",
-    "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "add_rms_norm", "gather", "linear", "paged_attention",
-    "reshape_and_cache", "rms_norm", "rope", "self_attention", "split", "swiglu",
+    "ADD", "ADD_RMS_NORM", "ALL_REDUCE", "BLOCK_MINIMUM", "DYNAMIC_QUANT", "GATHER", "GATHER_BF16",
+    "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BF16", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8",
+    "LINEAR_W8A8_STATIC", "OPS", "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16", "PAGED_ATTENTION_F16",
+    "PAGED_ATTENTION_INT8", "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16", "RESHAPE_AND_CACHE_F16",
+    "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "add_rms_norm",
+    "all_reduce", "gather", "linear", "paged_attention", "reshape_and_cache", "rms_norm", "rope", "self_attention",
+    "split", "swiglu",
 ]

@@ -1,0 +1,88 @@
+"""One rank's graph weights: each fused linear cut along its output rows (column-parallel) or its input columns
+(row-parallel) as graphs/tensor_parallel.py lays the ranks out; every other weight replicated.
+
+Float (float32, bfloat16), block-quantized and int8 per-channel weights are cut alike: a block-quantized weight's
+input columns are cut at whole blocks, so a row-parallel linear needs its per-rank inputs to be a multiple of the
+block size.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..graphs.config import ModelConfig
+from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
+from ..graphs.tensor_parallel import FIELD, RankShard, TensorParallelError
+
+COLUMN_PARALLEL = ("qkv", "qkv_bias", "gate_up")  # rank r keeps some output rows
+ROW_PARALLEL = ("o_proj", "down")  # rank r keeps some input columns; its output is a partial sum
+
+
+def kind(name: str) -> str:
+    """"column", "row" or "replicated": how graph weight `name` is split over the ranks."""
+    last = name.rsplit(".", 1)[-1]
+    return "column" if last in COLUMN_PARALLEL else "row" if last in ROW_PARALLEL else "replicated"
+
+
+def _span(start: int, stop: int, width: int, offset: int = 0) -> np.ndarray:
+    return np.arange(offset + start * width, offset + stop * width)
+
+
+def rank_rows(config: ModelConfig, name: str, shard: RankShard) -> np.ndarray:
+    """The output rows of column-parallel weight `name` that `shard` keeps: its query heads, then its K and V
+    heads (fused QKV); its gate channels, then its up channels (fused gate/up)."""
+    d = config.head_dim
+    if name.rsplit(".", 1)[-1] == "gate_up":
+        return np.concatenate([_span(*shard.intermediate, 1), _span(*shard.intermediate, 1, config.intermediate_size)])
+    return np.concatenate([_span(*shard.heads, d), _span(*shard.kv_heads, d, config.q_size),
+                           _span(*shard.kv_heads, d, config.q_size + config.kv_size)])
+
+
+def rank_columns(config: ModelConfig, name: str, shard: RankShard) -> slice:
+    """The input columns of row-parallel weight `name` that `shard` keeps: its heads' (o_proj), its channels'
+    (down)."""
+    start, stop = shard.intermediate if name.rsplit(".", 1)[-1] == "down" else (
+        shard.heads[0] * config.head_dim, shard.heads[1] * config.head_dim)
+    return slice(start, stop)
+
+
+def shard_weight(config: ModelConfig, name: str, w: Weight, shard: RankShard) -> Weight:
+    """Graph weight `name` as rank `shard` holds it."""
+    how = kind(name)
+    if how == "column":
+        return _rows(w, rank_rows(config, name, shard))
+    if how == "row":
+        return _columns(w, rank_columns(config, name, shard), name)
+    return w
+
+
+def sharded(convert: Callable[[str], Weight], config: ModelConfig, shard: RankShard) -> Callable[[str], Weight]:
+    """`convert` (a graph weight by name) followed by its cut for `shard`."""
+    return lambda name: shard_weight(config, name, convert(name), shard)
+
+
+def _rows(w: Weight, rows: np.ndarray) -> Weight:
+    if isinstance(w, BlockQuantized):
+        return w.rows(rows)
+    if isinstance(w, Int8PerChannel):
+        return Int8PerChannel(np.ascontiguousarray(w.q[rows]), np.ascontiguousarray(w.scale[rows]), w.source)
+    return np.ascontiguousarray(w[rows])
+
+
+def _columns(w: Weight, cols: slice, name: str) -> Weight:
+    if isinstance(w, Int8PerChannel):  # one scale per output row: every rank keeps all of them
+        return Int8PerChannel(np.ascontiguousarray(w.q[:, cols]), w.scale, w.source)
+    if not isinstance(w, BlockQuantized):
+        return np.ascontiguousarray(w[:, cols])
+    if cols.start % w.block_size or cols.stop % w.block_size:
+        raise TensorParallelError(f"{FIELD}: {name} is quantized in blocks of {w.block_size} inputs, and a rank's "
+                                  f"inputs {cols.start}..{cols.stop} do not start and end on a block; choose a "
+                                  "tensor-parallel size whose per-rank inputs are a multiple of the block size")
+    blocks = slice(cols.start // w.block_size, cols.stop // w.block_size)
+
+    def cut(a: np.ndarray | None, where: slice) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[:, where])
+
+    return BlockQuantized(cut(w.q, cols), cut(w.scale, blocks), cut(w.zero_point, blocks), cut(w.minimum, blocks),
+                          w.bits, w.block_size, w.source)
