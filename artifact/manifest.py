@@ -205,13 +205,14 @@ def kv_variant(graph: str, kv_cache_dtype: str, compute_dtype: str) -> str:
 
 
 def rank_folder(path: str, rank: int) -> str:
-    """Rank `rank`'s folder beside `path`'s: `graphs/model.onnx` -> `graphs/rank1`."""
-    return f"{path.rpartition('/')[0]}/rank{rank}"
+    """Rank `rank`'s folder under `path`'s top folder: `graphs/model.onnx` -> `graphs/rank1`."""
+    return f"{path.partition('/')[0]}/rank{rank}"
 
 
 def rank_file(path: str, folder: str) -> str:
-    """`path`'s file in a rank's `folder`: `graphs/model.onnx` in `graphs/rank1` -> `graphs/rank1/model.onnx`."""
-    return f"{folder}/{path.rpartition('/')[2]}"
+    """`path` (under graphs/) in a rank's `folder`: `graphs/mindir/index.json` in `graphs/rank1` ->
+    `graphs/rank1/mindir/index.json`."""
+    return f"{folder}/{path.partition('/')[2]}"
 
 
 def file_sha256(path: Path) -> str:

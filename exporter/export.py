@@ -38,7 +38,7 @@ from .onnx.weights_file import StreamedWeights, WeightsFile
 from .quantize import quantize_weights, w8a8_int8
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
 from .smoothquant import smooth
-from .tensor_parallel import sharded
+from .tensor_parallel import ShardedWeights
 from .tokenizer_files import write_tokenizer
 from ..graphs import contract as c
 from ..graphs import llama
@@ -136,10 +136,12 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         if "mindir" in options.formats:
             from .mindspore.export import write_mindir
 
-            write_mindir(dataclasses.replace(mindir_checkpoint, tensors=recorded.also(mindir_checkpoint.tensors)),
-                         gears, options.max_model_len, options.block_size, options.target, staging, log,
-                         options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales,
-                         w8a8_inputs)
+            for shard in ranks or (None,):
+                write_mindir(dataclasses.replace(mindir_checkpoint,
+                                                 tensors=recorded.also(mindir_checkpoint.tensors)),
+                             gears, options.max_model_len, options.block_size, options.target, staging, log,
+                             options.mindir_workers, config.model.dtype, tuple(options.kv_cache_dtypes), kv_scales,
+                             w8a8_inputs, shard)
         if options.baseline == "naive":
             for kv_cache_dtype in options.kv_cache_dtypes:
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
@@ -315,12 +317,13 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     graph_path, weights_path = ((GRAPH, WEIGHTS) if shard is None else
                                 (rank_file(p, rank_folder(GRAPH, shard.rank)) for p in (GRAPH, WEIGHTS)))
     (out / graph_path).parent.mkdir(parents=True)
-    convert = functools.partial(llama.graph_weight, model, checkpoint.tensors, max_positions=max_positions,
-                                dtype=dtype)
+    graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions, dtype)
+    if shard is not None:
+        graph_weights = ShardedWeights(graph_weights, model, shard)
     desc = "converting weights" + ("" if shard is None else f" (rank {shard.rank} of {size})")
     with WeightsFile(out / weights_path) as weights, _bar(log, sum(params.values()), desc, "") as bar:
-        store = StreamedWeights(graph_sources(model), convert if shard is None else sharded(convert, model, shard),
-                                weights, lambda name: bar.update(params[name]))
+        store = StreamedWeights(graph_sources(model), graph_weights.__getitem__, weights,
+                                lambda name: bar.update(params[name]))
         builder = OnnxBuilder(rank_config(model, size), store.initializer, dtype)  # pools of the compute dtype
         llama.build(builder, model, block_size, llama.WeightForms(store.forms, accuracy_level), dtype,
                     tensor_parallel_size=size)
@@ -567,7 +570,7 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
     print("", file=log)
     first = 0 if manifest.ranks else None  # with tensor parallelism, rank 0's graph stands for each rank's
     for family, spec in manifest.families.items():
-        graph = manifest.graph_for(family, manifest.dtype, first) if spec.graph == GRAPH else spec.graph
+        graph = manifest.graph_for(family, manifest.dtype, first)
         print(f"{family_summary(family, spec.gears)}; graph {graph} {size[graph] / 1e6:.2f} MB", file=log)
     if verbose:
         timed: dict[tuple[str, Gear], float] = {}
@@ -581,9 +584,10 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
                       f"{f'[{g.seqs},{g.blocks}]':>13} {f'{run:.2f}s' if run is not None else '-':>8}", file=log)
     weights = size.get(WEIGHTS) or size.get(MINDIR_WEIGHTS) or 0
     for rank in manifest.ranks:
+        held = size.get(rank_file(WEIGHTS, rank.folder)) or size[rank_file(MINDIR_WEIGHTS, rank.folder)]
         print(f"rank {rank.rank}: heads {rank.heads}, KV heads {rank.kv_heads}, intermediate {rank.intermediate}; "
-              f"weights {size[rank_file(WEIGHTS, rank.folder)] / 1e6:.1f} MB", file=log)
-        weights += size[rank_file(WEIGHTS, rank.folder)]
+              f"weights {held / 1e6:.1f} MB", file=log)
+        weights += held
     print(f"weights {weights / 1e6:.1f} MB stored once for all "
           f"{sum(len(f.gears) for f in manifest.families.values())} buckets; artifact {out} written in {seconds:.1f}s "
           f"(every gear: `pagedgraph inspect --artifact {shlex.quote(str(out))} --gears`, or export with --verbose)",

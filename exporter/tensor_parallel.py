@@ -3,17 +3,18 @@
 
 Float (float32, bfloat16), block-quantized and int8 per-channel weights are cut alike: a block-quantized weight's
 input columns are cut at whole blocks, so a row-parallel linear needs its per-rank inputs to be a multiple of the
-block size.
+block size (a weight with one scale per row, w8a16's, is re-blocked to fit first).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from ..graphs.config import ModelConfig
 from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
 from ..graphs.tensor_parallel import FIELD, RankShard, TensorParallelError
+from .quantize import BLOCK_SIZES
 
 COLUMN_PARALLEL = ("qkv", "qkv_bias", "gate_up")  # rank r keeps some output rows
 ROW_PARALLEL = ("o_proj", "down")  # rank r keeps some input columns; its output is a partial sum
@@ -57,9 +58,20 @@ def shard_weight(config: ModelConfig, name: str, w: Weight, shard: RankShard) ->
     return w
 
 
-def sharded(convert: Callable[[str], Weight], config: ModelConfig, shard: RankShard) -> Callable[[str], Weight]:
-    """`convert` (a graph weight by name) followed by its cut for `shard`."""
-    return lambda name: shard_weight(config, name, convert(name), shard)
+class ShardedWeights(Mapping[str, Weight]):
+    """Graph weights (llama.graph_weights) as rank `shard` holds them, each cut when read."""
+
+    def __init__(self, weights: Mapping[str, Weight], config: ModelConfig, shard: RankShard) -> None:
+        self._weights, self._config, self._shard = weights, config, shard
+
+    def __getitem__(self, name: str) -> Weight:
+        return shard_weight(self._config, name, self._weights[name], self._shard)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 def _rows(w: Weight, rows: np.ndarray) -> Weight:
@@ -76,6 +88,8 @@ def _columns(w: Weight, cols: slice, name: str) -> Weight:
     if not isinstance(w, BlockQuantized):
         return np.ascontiguousarray(w[:, cols])
     if cols.start % w.block_size or cols.stop % w.block_size:
+        w = _per_row_reblocked(w, cols)
+    if cols.start % w.block_size or cols.stop % w.block_size:
         raise TensorParallelError(f"{FIELD}: {name} is quantized in blocks of {w.block_size} inputs, and a rank's "
                                   f"inputs {cols.start}..{cols.stop} do not start and end on a block; choose a "
                                   "tensor-parallel size whose per-rank inputs are a multiple of the block size")
@@ -86,3 +100,15 @@ def _columns(w: Weight, cols: slice, name: str) -> Weight:
 
     return BlockQuantized(cut(w.q, cols), cut(w.scale, blocks), cut(w.zero_point, blocks), cut(w.minimum, blocks),
                           w.bits, w.block_size, w.source)
+
+
+def _per_row_reblocked(w: BlockQuantized, cols: slice) -> BlockQuantized:
+    """`w` in the largest MatMulNBits blocks that `cols` starts and ends on, where its blocks only repeat one scale
+    and zero point per row (w8a16: the same weight, other blocks); else `w` as it is."""
+    fits = [b for b in BLOCK_SIZES if not (cols.start % b or cols.stop % b)]
+    per_row = (w.minimum is None and (w.scale == w.scale[:, :1]).all() and (w.zero_point == w.zero_point[:, :1]).all())
+    if not fits or not per_row:
+        return w
+    blocks = w.q.shape[1] // fits[0]
+    return BlockQuantized(w.q, np.repeat(w.scale[:, :1], blocks, axis=1), np.repeat(w.zero_point[:, :1], blocks, axis=1),
+                          None, w.bits, fits[0], w.source)

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, TextIO
 
 import numpy as np
 
-from ...artifact.manifest import kv_variant
+from ...artifact.manifest import kv_variant, rank_file, rank_folder
 from ...artifact.mindir import (DIRECTORY, INDEX, INT4X2, WEIGHTS, MindirIndex, WeightEntry, gear_key,
                                 import_mindspore, numpy_dtype, write_weights)
 from ..checkpoint.base import Checkpoint
@@ -29,6 +29,8 @@ from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
 from ...graphs.quant import BlockQuantized, Int8PerChannel, Weight, graph_arrays, graph_parts, w8a8_static_parts
+from ...graphs.tensor_parallel import RankShard, rank_config
+from ..tensor_parallel import ShardedWeights
 
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
 
@@ -47,6 +49,8 @@ class _Job:
     scratch: str  # generated Cell sources go here
     entries: dict[str, WeightEntry]
     pool_shape: tuple[int, ...]
+    directory: str  # the graphs' folder in the artifact: DIRECTORY, or a tensor-parallel rank's
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,11 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
                  target: str, out: Path, log: TextIO, workers: int | None = None, model_dtype: str = "float32",
                  kv_cache_dtypes: tuple[str, ...] = ("float32",),
                  kv_scales: dict[str, np.ndarray] | None = None,
-                 w8a8_inputs: dict[str, tuple[float, int]] | None = None) -> MindirIndex:
-    """Write graphs/mindir/ under `out` for every gear and cache dtype; returns the index it wrote.
+                 w8a8_inputs: dict[str, tuple[float, int]] | None = None,
+                 shard: RankShard | None = None) -> MindirIndex:
+    """Write graphs/mindir/ under `out` for every gear and cache dtype; returns the index it wrote. With a
+    tensor-parallel `shard`, rank shard.rank's graphs (its weights; an AllReduce after o_proj and down: HCCL on
+    Ascend) in its folder, graphs/rank<r>/mindir/.
 
     `kv_scales`: the calibrated int8 KV-cache parameters (exporter/kv_calibration.py), needed for int8;
     `w8a8_inputs`: the int8 linears' calibrated static input (scale, offset), needed for Ascend W8A8.
@@ -103,21 +110,28 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
     if "int8" in caches and not kv_scales:
         raise ValueError("an int8 KV cache in the Ascend MINDIR needs the calibrated scales (kv_scales)")
-    graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions)
+    graph_weights: Mapping[str, Weight] = llama.graph_weights(model, checkpoint.tensors, max_positions)
+    size, (directory, weights_file, index_file) = 1, (DIRECTORY, WEIGHTS, INDEX)
+    if shard is not None:
+        graph_weights = ShardedWeights(graph_weights, model, shard)
+        folder = rank_folder(DIRECTORY, shard.rank)
+        size, (directory, weights_file, index_file) = shard.size, (rank_file(p, folder) for p in (DIRECTORY, WEIGHTS,
+                                                                                                 INDEX))
     forms = llama.WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
-    (out / DIRECTORY).mkdir(parents=True, exist_ok=True)
+    (out / directory).mkdir(parents=True, exist_ok=True)
     int4: set[str] = set()
     with tqdm(total=len(graph_weights), unit="tensor", file=log, mininterval=1.0, desc="mindir weights") as bar:
-        entries = write_weights(out / WEIGHTS, _target_arrays(graph_weights, dtype, w8a8_inputs or {}, int4, bar))
+        entries = write_weights(out / weights_file, _target_arrays(graph_weights, dtype, w8a8_inputs or {}, int4, bar))
     del graph_weights
     entries.update({name: dataclasses.replace(entries[name], dtype=INT4X2) for name in int4})
     if "int8" in caches:
         from .ascend_ops import int8_cache_parameters
 
-        entries.update(write_weights(out / WEIGHTS, int8_cache_parameters(kv_scales, dtype).items(), append=True))
+        entries.update(write_weights(out / weights_file, int8_cache_parameters(kv_scales, dtype).items(), append=True))
     num_blocks = max(g.blocks for family in gears.values() for g in family) + 1  # nominal; bound at load
-    pool_shape = ((num_blocks * block_size, model.kv_size) if target == "cpu"
-                  else (num_blocks, block_size, model.num_kv_heads, model.head_dim))
+    local = rank_config(model, size)  # the KV heads of this rank's pools
+    pool_shape = ((num_blocks * block_size, local.kv_size) if target == "cpu"
+                  else (num_blocks, block_size, local.num_kv_heads, model.head_dim))
     tasks = [(cache, family, gear) for cache in caches for family, family_gears in gears.items()
              for gear in family_gears]
     workers = max(1, min(workers or default_workers(), len(tasks)))
@@ -125,7 +139,7 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch, \
             tqdm(total=len(tasks), unit="gear", file=log, mininterval=1.0,
                  desc=f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}") as bar:
-        job = _Job(model, forms, block_size, target, dtype, str(out), scratch, entries, pool_shape)
+        job = _Job(model, forms, block_size, target, dtype, str(out), scratch, entries, pool_shape, directory, size)
         if workers == 1:
             ms = import_mindspore("--format mindir")
             previous = ms.get_context("jit_config")
@@ -155,7 +169,7 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
                       for family, family_gears in gears.items()} for cache in caches}
     index = MindirIndex(target=target, dtype=dtype, inputs=inputs, weights=entries, pool_shape=pool_shape,
                         graphs=graphs.pop(dtype), kv_cache_graphs=graphs, weight_inputs=weight_inputs)
-    (out / INDEX).write_text(index.to_json())
+    (out / index_file).write_text(index.to_json())
     return index
 
 
@@ -228,7 +242,7 @@ def _compile(kv_cache_dtype: str, family: str, gear: Gear) -> _Compiled:
         scratch.mkdir(exist_ok=True)
         cells[family, kv_cache_dtype] = _bucket_cell(job, family, kv_cache_dtype, scratch)
     cell, builder = cells[family, kv_cache_dtype]
-    rel = kv_variant(f"{DIRECTORY}/{family}_{gear_key(gear)}.mindir", kv_cache_dtype, job.dtype)
+    rel = kv_variant(f"{job.directory}/{family}_{gear_key(gear)}.mindir", kv_cache_dtype, job.dtype)
     path = Path(job.out) / rel
     ms.export(cell, *_example_args(ms, job, gear, builder, kv_cache_dtype), file_name=str(path),
               file_format="MINDIR")
@@ -249,7 +263,8 @@ def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, scratch: Path) -> 
         lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
                                                                 logits=Float32Logits, dtype=job.dtype)
     builder = MindSporeBuilder(lowering, ms_target)
-    llama.build(builder, job.model, job.block_size, job.forms, kv_cache_dtype)
+    llama.build(builder, job.model, job.block_size, job.forms, kv_cache_dtype,
+                tensor_parallel_size=job.tensor_parallel_size)
     cell = load_cell_class(builder.source(), scratch / f"{job.target}_{family}_{kv_cache_dtype}.py")(builder.cells)
     return cell, builder
 

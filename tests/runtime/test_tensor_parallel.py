@@ -23,6 +23,7 @@ from pagedgraph.exporter.export import GRAPH, WEIGHTS, export
 from pagedgraph.exporter.tensor_parallel import kind
 from pagedgraph.graphs.contract import k_cache_name
 from pagedgraph.graphs.tensor_parallel import TensorParallelError
+from pagedgraph.inspect import describe, text
 from pagedgraph.runtime.engine import LLM
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.paths import DATA
@@ -34,9 +35,9 @@ SIZES = (1, 2, 4)
 MAX_TOKENS = 8
 
 
-def _export(checkpoint: Path, out: Path, size: int, **options: Any) -> Path:
-    config = ExportConfig.model_validate({"model": {"source": str(checkpoint)}, "export": {
-        "tensor_parallel_size": size, "max_model_len": 128,
+def _export(checkpoint: Path, out: Path, size: int, quantization: str = "none", **options: Any) -> Path:
+    model = {"source": str(checkpoint), "quantization": quantization}
+    config = ExportConfig.model_validate({"model": model, "export": {"tensor_parallel_size": size, "max_model_len": 128,
         "buckets": {"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4}, **options}})
     export(config, out, log=io.StringIO())
     return out
@@ -101,6 +102,18 @@ def test_each_rank_pool_holds_its_kv_heads(served: dict, artifacts: dict[int, Pa
         np.testing.assert_allclose(pool, whole[name][:, start:stop], atol=1e-5)
 
 
+def test_block_quantized_weights_split_alike(tmp_path: Path) -> None:
+    """w4a16 (int4 groups of 32, cut at whole groups), computed on the dequantized blocks (accuracy_level 0): a
+    rank's linears are TP=1's, cut. (With int8 activations, accuracy_level 4, each rank quantizes its own slice of
+    a row-parallel input, so logits differ as two quantizations do.)"""
+    checkpoint = write_random_llama(tmp_path / "hf", dims=DIMS)
+    options = {"accuracy_level": 0}
+    runs = {size: _serve(_export(checkpoint, tmp_path / f"tp{size}", size, quantization="w4a16", **options))
+            for size in (1, 2)}
+    assert runs[2][0] == runs[1][0]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(runs[2][1], runs[1][1])) <= 1e-4
+
+
 def _initializer_bytes(graph: Path) -> dict[str, int]:
     model = onnx.load_model(graph, load_external_data=False)
     return {t.name: int(next(e.value for e in t.external_data if e.key == "length")) for t in model.graph.initializer}
@@ -117,6 +130,9 @@ def test_rank_weights_are_their_share_plus_the_replicated_parts(artifacts: dict[
     for layout in manifest.ranks:
         stored = (artifacts[size] / rank_file(WEIGHTS, layout.folder)).stat().st_size
         assert stored == split // size + replicated, f"rank {layout.rank}: {stored} bytes"
+    shown = text(describe(artifacts[size], verify=False))
+    assert f"tensor        parallel over {size} ranks" in shown
+    assert f"rank {size - 1}: heads {8 - 8 // size}-7, KV heads {4 - 4 // size}-3" in shown
 
 
 def test_a_rank_graph_has_two_allreduces_per_layer_and_refuses_to_run_alone(artifacts: dict[int, Path]) -> None:
@@ -139,3 +155,51 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 with export.kv_cache_dtypes"):
         ExportConfig.model_validate({"export": {"tensor_parallel_size": 2, "kv_cache_dtypes": ["float32", "int8"]}})
+
+
+def test_ascend_rank_mindir_holds_its_heads_and_hccl_allreduce(tmp_path: Path) -> None:
+    """The Ascend MINDIR of each rank: MindSpore's AllReduce (HCCL, sum over the world group) after o_proj and down,
+    PagedAttention over its own heads, pools of its KV heads (read back; nothing here runs Ascend kernels)."""
+    pytest.importorskip("mindspore")
+    from pagedgraph.exporter.mindspore.readback import read_graph, read_ops
+
+    checkpoint = write_random_llama(tmp_path / "hf", dims=DIMS)
+    artifact = _export(checkpoint, tmp_path / "out", 2, formats=["mindir"], target="ascend", mindir_workers=1,
+                       buckets={"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4,
+                                "context_blocks": [8]})
+    manifest = Manifest.load(artifact)
+    for layout in manifest.ranks:
+        index = json.loads((artifact / manifest.graph_for("decode", manifest.dtype, layout.rank)).read_text())
+        (graph,) = index["graphs"]["decode"].values()
+        assert graph.startswith(f"{layout.folder}/mindir/")
+        reduces = read_ops(artifact / graph, {"AllReduce"})
+        assert len(reduces) == 2 * DIMS["num_hidden_layers"]
+        assert {(r.attributes["op"], r.attributes["group"]) for r in reduces} == {("sum", "hccl_world_group")}
+        (attention, *_) = read_ops(artifact / graph, {"PagedAttention"})
+        assert (attention.arguments["head_num"], attention.arguments["kv_head_num"]) == (4, 2)
+        pools = [a for a in read_graph(artifact / graph).arguments if a.name == k_cache_name(0)]
+        assert pools[0].shape[2:] == (2, DIMS["hidden_size"] // DIMS["num_attention_heads"])
+
+
+@pytest.mark.e2e
+def test_smollm2_over_3_ranks_equals_tp1_and_follows_hf(smollm2_artifact: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its one split) with the session artifact's settings, so both run
+    the same gears: greedy tokens equal TP=1's and HF's (up to HF's own near ties), logits within 1e-4 of TP=1's."""
+    from tests.conftest import _NO_BASELINE
+    from tests.runtime.test_reference_e2e import _matches_reference
+
+    config = ExportConfig.model_validate({"export": {**_NO_BASELINE, "tensor_parallel_size": 3}})
+    export(config, tmp_path / "tp3", log=io.StringIO())
+    reference = json.loads((DATA / "reference_smollm2.json").read_text())[:3]
+    runs = {}
+    for size, artifact in ((1, smollm2_artifact), (3, tmp_path / "tp3")):
+        llm = LLM(artifact, threads=2)
+        recorder = llm.engine.executor = _Recorder(llm.engine.executor)
+        outputs = llm.generate([r["prompt_token_ids"] for r in reference],
+                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        runs[size] = [o.outputs[0].token_ids for o in outputs], recorder.logits
+    assert runs[3][0] == runs[1][0]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(runs[3][1], runs[1][1])) <= 1e-4
+    for tokens, ref in zip(runs[3][0], reference):
+        ok, why = _matches_reference(tokens, ref["token_ids"][:MAX_TOKENS], ref["top2_gap"])
+        assert ok, why
