@@ -317,7 +317,7 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     graph_path, weights_path = ((GRAPH, WEIGHTS) if shard is None else
                                 (rank_file(p, rank_folder(GRAPH, shard.rank)) for p in (GRAPH, WEIGHTS)))
     (out / graph_path).parent.mkdir(parents=True)
-    graph_weights = llama.graph_weights(model, checkpoint.tensors, max_positions, dtype)
+    graph_weights: Mapping[str, Weight] = llama.graph_weights(model, checkpoint.tensors, max_positions, dtype)
     if shard is not None:
         graph_weights = ShardedWeights(graph_weights, model, shard)
     desc = "converting weights" + ("" if shard is None else f" (rank {shard.rank} of {size})")

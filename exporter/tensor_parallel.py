@@ -21,7 +21,7 @@ ROW_PARALLEL = ("o_proj", "down")  # rank r keeps some input columns; its output
 
 
 def kind(name: str) -> str:
-    """"column", "row" or "replicated": how graph weight `name` is split over the ranks."""
+    """How graph weight `name` is split over the ranks: "column", "row" or "replicated"."""
     last = name.rsplit(".", 1)[-1]
     return "column" if last in COLUMN_PARALLEL else "row" if last in ROW_PARALLEL else "replicated"
 
@@ -110,5 +110,5 @@ def _per_row_reblocked(w: BlockQuantized, cols: slice) -> BlockQuantized:
     if not fits or not per_row:
         return w
     blocks = w.q.shape[1] // fits[0]
-    return BlockQuantized(w.q, np.repeat(w.scale[:, :1], blocks, axis=1), np.repeat(w.zero_point[:, :1], blocks, axis=1),
-                          None, w.bits, fits[0], w.source)
+    scale, zero_point = (np.repeat(a[:, :1], blocks, axis=1) for a in (w.scale, w.zero_point))
+    return BlockQuantized(w.q, scale, zero_point, None, w.bits, fits[0], w.source)
