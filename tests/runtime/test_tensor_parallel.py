@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from pagedgraph.artifact.manifest import Manifest, rank_file
+from pagedgraph.cli import main
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import GRAPH, WEIGHTS, export
 from pagedgraph.exporter.tensor_parallel import kind
@@ -146,13 +147,15 @@ def test_a_rank_graph_has_two_allreduces_per_layer_and_refuses_to_run_alone(arti
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> None:
+def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     checkpoint = write_random_llama(tmp_path / "hf", dims=DIMS)
     with pytest.raises(TensorParallelError, match=r"export.tensor_parallel_size = 3 must divide the model's "
                                                   r"num_heads = 8, num_kv_heads = 4, intermediate_size = 128 .*"
                                                   r"valid sizes for this model: \[1, 2, 4\]"):
         _export(checkpoint, tmp_path / "out", 3)
     assert not (tmp_path / "out").exists()
+    assert main(["export", "--model", str(checkpoint), "--out", str(tmp_path / "cli"), "-tp", "3"]) == 2
+    assert "export.tensor_parallel_size = 3 must divide" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 with export.kv_cache_dtypes"):
         ExportConfig.model_validate({"export": {"tensor_parallel_size": 2, "kv_cache_dtypes": ["float32", "int8"]}})
 
