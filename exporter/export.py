@@ -126,6 +126,9 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                                            options.accuracy_level, config.model.dtype, staging, log, shard)
             # the rank graphs run only together (AllReduce): no calibration slices, variants or gear check over one
             written = None if ranks else onnx_weights
+            if ranks and options.verify_gears:
+                print(f"gears not verified: the {len(ranks)} rank graphs run only together (their AllReduce); "
+                      "`pagedgraph generate` runs them (the single-process simulation)", file=log)
         with tempfile.TemporaryDirectory(prefix="pagedgraph-calibration-") as scratch:
             calibration = CalibrationSource(raw, options, calibration_text, Path(scratch))
             kv_scales = _kv_scales(model, config, gears, staging, written, calibration, log)
