@@ -13,7 +13,7 @@ import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TextIO
 
 import numpy as np
 import onnx
@@ -338,8 +338,8 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
 
 class CalibrationSource:
     """What both calibrations (int8 KV-cache scales, Ascend W8A8 input scales) run over: the calibration text's
-    token ids (tokenized once), and the float32 graph of the checkpoint as read (before RTN quantization), in
-    slices whose weights are written to `scratch` as each is reached."""
+    token ids (tokenized once) cut into windows, and the float32 graph of the checkpoint as read (before RTN
+    quantization), in slices whose weights are written to `scratch` as each is reached."""
 
     def __init__(self, raw: Checkpoint, options: ExportOptions, default_text: str | None, scratch: Path) -> None:
         self._raw, self._options, self._default_text, self._scratch = raw, options, default_text, scratch
@@ -348,6 +348,22 @@ class CalibrationSource:
     def tokens(self) -> tuple[list[int], str]:
         """The token ids and where the text came from."""
         return _calibration_tokens(self._raw, self._options.kv_cache_calibration, self._default_text)
+
+    def windows(self, gears: Sequence[Gear]) -> list[Sequence[int]]:
+        """The windows prefilled on the prefill `gears`: as many as the model's size allows (kv_calibration's
+        CALIBRATION_BUDGET)."""
+        options = self._options
+        params = sum(graph_weight_params(self._raw.config, options.max_model_len).values())
+        return calibration_windows(self.tokens[0], options.kv_cache_calibration_window, gears, options.block_size,
+                                   params)
+
+    def describe(self, windows: Sequence[Sequence[int]]) -> str:
+        """`on TEXT: N tokens in W windows` (with `of ALL` where the model's size kept only some)."""
+        tokens, source = self.tokens
+        used = sum(len(w) for w in windows)
+        whole = "" if used == len(tokens) else f" of {len(tokens)}"
+        bound = "" if used == len(tokens) else " (bounded by the model's size: kv_calibration.CALIBRATION_BUDGET)"
+        return f"on {source}: {used}{whole} tokens in {len(windows)} window{'s' * (len(windows) != 1)}{bound}"
 
     @functools.cached_property
     def groups(self) -> list[tuple[int, ...]]:
@@ -360,9 +376,7 @@ class CalibrationSource:
                                  options.accuracy_level, self._scratch, self.groups)
 
 
-def _calibration_bar(log: TextIO, groups: list[tuple[int, ...]], options: ExportOptions,
-                     gears: dict[str, tuple[Gear, ...]], tokens: list[int], what: str) -> tqdm:
-    windows = calibration_windows(tokens, options.kv_cache_calibration_window, gears[c.PREFILL], options.block_size)
+def _calibration_bar(log: TextIO, groups: list[tuple[int, ...]], windows: Sequence[Sequence[int]], what: str) -> tqdm:
     layered = sum(1 for layers in groups if layers)  # the LM head alone is not run
     return _bar(log, layered * len(windows), f"calibrating {what}" + (
         f" ({layered} slices of layers)" if layered > 1 else ""), "window")
@@ -376,17 +390,16 @@ def _kv_scales(model: ModelConfig, config: ExportConfig, gears: dict[str, tuple[
     options = config.export
     if not any(cache_format(d).quantized for d in options.kv_cache_dtypes):
         return {}
-    tokens, source = calibration.tokens
+    windows = calibration.windows(gears[c.PREFILL])
     if written is not None and config.model.dtype == "float32":
         groups = layer_groups(model, written.session_bytes)
         slices = artifact_slices(staging / GRAPH, model, options.block_size, written.forms, "float32",
                                  written.initializers, groups)
     else:
         groups, slices = calibration.groups, calibration.float32_slices()
-    with _calibration_bar(log, groups, options, gears, tokens, "int8 KV-cache scales") as bar:
-        scales, windows = calibrate_kv_scales(slices, model, gears[c.PREFILL], options.block_size, tokens,
-                                              options.kv_cache_calibration_window, bar.update)
-    print(f"calibrated int8 KV-cache scales on {source}: {len(tokens)} tokens in {windows} windows", file=log)
+    with _calibration_bar(log, groups, windows, "int8 KV-cache scales") as bar:
+        scales = calibrate_kv_scales(slices, model, gears[c.PREFILL], options.block_size, windows, bar.update)
+    print(f"calibrated int8 KV-cache scales {calibration.describe(windows)}", file=log)
     return scales
 
 
@@ -401,13 +414,12 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
         return checkpoint, {}
     linears = [name for name, sources in llama.graph_weight_sources(raw.config).items()
                if all(w8a8_int8(s) for s in sources)]
-    tokens, source = calibration.tokens
-    with _calibration_bar(log, calibration.groups, options, gears, tokens, "W8A8 input scales") as bar:
-        ranges, windows = linear_input_ranges(calibration.float32_slices(), raw.config, gears[c.PREFILL],
-                                              options.block_size, tokens, options.kv_cache_calibration_window,
-                                              linears, bar.update)
-    print(f"calibrated W8A8 static input scales of {len(ranges)} linears on {source}: {len(tokens)} tokens in "
-          f"{windows} windows; SmoothQuant alpha {options.w8a8_smoothing}", file=log)
+    windows = calibration.windows(gears[c.PREFILL])
+    with _calibration_bar(log, calibration.groups, windows, "W8A8 input scales") as bar:
+        ranges = linear_input_ranges(calibration.float32_slices(), raw.config, gears[c.PREFILL], options.block_size,
+                                     windows, linears, bar.update)
+    print(f"calibrated W8A8 static input scales of {len(ranges)} linears {calibration.describe(windows)}; "
+          f"SmoothQuant alpha {options.w8a8_smoothing}", file=log)
     if options.w8a8_smoothing is not None:  # the smoothed weights are quantized again; unsmoothed, `checkpoint` is
         smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
         checkpoint = _quantized(dataclasses.replace(raw, tensors=smoothed), config, log)

@@ -22,6 +22,12 @@ from ..graphs.kv_cache import INT8_MAX, INT8_MIN, SCALE_FIELDS, int8_params, sca
 from .onnx.slices import Slice, carry, slice_feed
 
 
+# Calibration's compute, bounded: windows x window tokens x the model's parameters at most this, and at least one
+# window. The shipped text's 8 windows of 512 tokens are kept whole up to 1.4B parameters; a 7B model runs one
+# (each window costs a 512-token prefill of the whole model: eight took longer than the rest of a 7B export here).
+CALIBRATION_BUDGET = 6e12
+
+
 def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str, np.ndarray]:
     """One sequence of `tokens` from position 0 in blocks 1, 2, ... of a pool; the rest of the gear is padding."""
     n = len(tokens)
@@ -37,16 +43,18 @@ def window_feed(gear: Gear, tokens: Sequence[int], block_size: int) -> dict[str,
     return feed
 
 
-def calibration_windows(token_ids: Sequence[int], window: int, gears: Sequence[Gear],
-                        block_size: int) -> list[Sequence[int]]:
+def calibration_windows(token_ids: Sequence[int], window: int, gears: Sequence[Gear], block_size: int,
+                        params: int | None = None) -> list[Sequence[int]]:
     """The calibration text cut into prompts of `window` tokens (at most what one prefill gear holds); a
-    trailing piece shorter than 16 tokens is dropped unless it is all there is."""
+    trailing piece shorter than 16 tokens is dropped unless it is all there is. With the model's `params`, at most
+    the windows CALIBRATION_BUDGET allows, spread evenly over the text (the first of each stretch)."""
     window = min(window, max(g.tokens for g in gears), max(g.blocks for g in gears) * block_size)
     windows = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
     windows = [w for w in windows if len(w) >= min(window, 16)] or windows[:1]
     if not windows or not windows[0]:
         raise ValueError("the calibration text is empty: give export.kv_cache_calibration a text file")
-    return windows
+    keep = len(windows) if params is None else max(1, int(CALIBRATION_BUDGET // (window * params)))
+    return [windows[i * len(windows) // keep] for i in range(keep)] if keep < len(windows) else windows
 
 
 def channel_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
@@ -85,11 +93,10 @@ def channel_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[
 
 
 def calibrate_kv_scales(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                        token_ids: Sequence[int], window: int, progress: Callable[[], None] = lambda: None
-                        ) -> tuple[dict[str, np.ndarray], int]:
-    """int8 scale parameters of every layer (graph parameter name -> array) from the float32 graph's `slices`, and
-    the number of windows they were fitted on."""
-    windows = calibration_windows(token_ids, window, gears, block_size)
+                        windows: Sequence[Sequence[int]], progress: Callable[[], None] = lambda: None
+                        ) -> dict[str, np.ndarray]:
+    """int8 scale parameters of every layer (graph parameter name -> array) from the float32 graph's `slices` run
+    over the calibration `windows` (calibration_windows')."""
     ranges = channel_ranges(slices, model, gears, block_size, windows,
                             lambda part, proto: {c.cache_output_name(n): block_size
                                                  for i in part.layers for n in (c.k_cache_name(i), c.v_cache_name(i))},
@@ -101,16 +108,14 @@ def calibrate_kv_scales(slices: Iterable[Slice], model: ModelConfig, gears: Sequ
             for field in SCALE_FIELDS:
                 if field.startswith(kv + "_"):
                     weights[scale_weight_name(layer, field)] = params[field.split("_", 1)[1]]
-    return weights, len(windows)
+    return weights
 
 
 def linear_input_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequence[Gear], block_size: int,
-                        token_ids: Sequence[int], window: int, linears: Sequence[str],
-                        progress: Callable[[], None] = lambda: None
-                        ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
+                        windows: Sequence[Sequence[int]], linears: Sequence[str],
+                        progress: Callable[[], None] = lambda: None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per-channel [min, max] of the input of each of `linears` (graph weight names) over the calibration
-    windows in the float32 graph's `slices` (whose Gemm nodes read those weights), and the number of windows."""
-    windows = calibration_windows(token_ids, window, gears, block_size)
+    `windows` in the float32 graph's `slices` (whose Gemm nodes read those weights)."""
     inputs: dict[str, str] = {}
 
     def probe(part: Slice, proto: onnx.ModelProto) -> dict[str, int]:
@@ -126,7 +131,7 @@ def linear_input_ranges(slices: Iterable[Slice], model: ModelConfig, gears: Sequ
     missing = sorted(set(linears) - set(inputs))
     if missing:
         raise ValueError(f"the calibration graph has no Gemm reading {missing}")
-    return {name: ranges[x] for name, x in inputs.items()}, len(windows)
+    return {name: ranges[x] for name, x in inputs.items()}
 
 
 def static_input_params(low: np.ndarray, high: np.ndarray) -> tuple[float, int]:

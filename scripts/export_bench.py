@@ -12,8 +12,9 @@ message. Each artifact is deleted once measured unless --keep.
         --out-root SCRATCH --json docs/bench/export_sizes.json
 
 Run it on an idle machine (each run records the load average before and after it, and the CPU flags). --json adds
-to the file's runs (replacing those of the same checkpoint name and precision), so several short invocations fill
-one table. A measurement script only: nothing imports it.
+to the file's runs (replacing those of the same checkpoint name, precision and --config), so several short
+invocations fill one table. --config YAML exports with that file's ladder (configs/real-sizes-w8a8.yaml: the
+runtime figures' artifacts) instead of the built-in one. A measurement script only: nothing imports it.
 """
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts.size_bench import _cpu_flags, _cpu_model, _portable  # noqa: E402
 
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "fp32": {},
-    "w8a8": {"model": {"quantization": "w8a8"}},
-    "w4a16": {"model": {"quantization": "w4a16"}},
-    "bf16": {"model": {"dtype": "bfloat16"}},
+PRECISIONS: dict[str, dict[str, str]] = {
+    "fp32": {"dtype": "float32", "quantization": "none"},
+    "w8a8": {"dtype": "float32", "quantization": "w8a8"},
+    "w8a16": {"dtype": "float32", "quantization": "w8a16"},
+    "w4a16": {"dtype": "float32", "quantization": "w4a16"},
+    "bf16": {"dtype": "bfloat16", "quantization": "none"},
 }
 # The ladder of the first 1.1B trial (docs/performance.md): decode 1-8, prefill 32-512, max_model_len 1024.
 EXPORT = {"max_model_len": 1024, "buckets": {"decode_batch": [1, 2, 4, 8], "prefill_tokens": [32, 64, 128, 256, 512]}}
@@ -84,15 +88,18 @@ def _lines(stderr: str) -> list[str]:
             if line and "%|" not in line]
 
 
-def _run(name: str, checkpoint: Path, precision: str, out_root: Path, keep: bool) -> dict[str, Any]:
-    overrides = PRECISIONS[precision]
-    config = {"model": {**overrides.get("model", {}), "source": str(checkpoint)}, "export": EXPORT}
+def _run(name: str, checkpoint: Path, precision: str, out_root: Path, keep: bool, yaml_config: Path | None
+         ) -> dict[str, Any]:
+    base = yaml.safe_load(yaml_config.read_text()) if yaml_config else {"export": EXPORT}
+    config = {"model": {**base.get("model", {}), **PRECISIONS[precision], "source": str(checkpoint)},
+              "export": base.get("export", {})}
     out = out_root / f"{name}-{precision}"
     shutil.rmtree(out, ignore_errors=True)
     load_start = os.getloadavg()[0]
     result, stderr = _measured(config, str(out))
     lines = _lines(stderr)
-    record = {"checkpoint": name, "precision": precision, "code": _code(), "date_utc": datetime.now(
+    record = {"checkpoint": name, "precision": precision, "config": yaml_config.name if yaml_config else "EXPORT",
+              "code": _code(), "date_utc": datetime.now(
         timezone.utc).isoformat(timespec="seconds"), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
         "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.glob("*.safetensors")), **result}
     if result["returncode"]:
@@ -130,6 +137,8 @@ def main() -> None:
     parser.add_argument("--precision", action="append", choices=sorted(PRECISIONS), default=[])
     parser.add_argument("--out-root", type=Path, required=True, help="where the artifacts are written (and deleted)")
     parser.add_argument("--keep", action="store_true", help="keep the artifacts")
+    parser.add_argument("--config", type=Path, help="an export YAML whose export section (and model keys other than "
+                        "dtype and quantization) replace the built-in ladder, EXPORT")
     parser.add_argument("--json", type=Path, help="add the runs to this file")
     args = parser.parse_args()
     if not args.checkpoint or not args.precision:
@@ -143,7 +152,7 @@ def main() -> None:
     runs = []
     for name, checkpoint in checkpoints:
         for precision in args.precision:
-            runs.append(_run(name, checkpoint, precision, args.out_root, args.keep))
+            runs.append(_run(name, checkpoint, precision, args.out_root, args.keep, args.config))
             r = runs[-1]
             print(f"{name} {precision}: " + (f"refused: {r.get('error')}" if r["returncode"] else
                   f"{r['wall_s']:.0f} s, peak {r['peak_rss_bytes'] / 2**20:,.0f} MiB, artifact "
@@ -153,8 +162,8 @@ def main() -> None:
     print(_table(runs, base["peak_rss_bytes"]))
     if args.json:
         previous = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": []}
-        done = {(r["checkpoint"], r["precision"]) for r in runs}
-        kept = [r for r in previous["runs"] if (r["checkpoint"], r["precision"]) not in done]
+        done = {(r["checkpoint"], r["precision"], r["config"]) for r in runs}
+        kept = [r for r in previous["runs"] if (r["checkpoint"], r["precision"], r.get("config", "EXPORT")) not in done]
         results = {**started, "export": EXPORT, "runs": kept + runs}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

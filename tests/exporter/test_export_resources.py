@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,24 @@ def test_export_refuses_before_writing_anything(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(ExportResourceError, match=r"needs about \d+ MiB free at .*, and 1 MiB is free"):
         export(config, tmp_path / "out", log=io.StringIO())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "nothing written, no staging left"
+
+
+def test_an_artifact_too_large_to_check_here_is_written_and_says_it_did_not_verify(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where not even one slice of layers runs in the available memory (a 7B float32 export needs 27 GB), the
+    export completes, without the gear check, and says so and why; and that the weights will not be served here."""
+    from pagedgraph.artifact.manifest import Manifest
+    from pagedgraph.exporter import export as export_module
+
+    checkpoint = write_random_llama(tmp_path / "ckpt")
+    monkeypatch.setattr(export_module, "available_memory", lambda: 1 << 16)
+    config = ExportConfig.model_validate({"model": {"source": str(checkpoint)}, "export": {"max_model_len": 64}})
+    log = io.StringIO()
+    export(config, tmp_path / "out", log=log)
+    printed = log.getvalue()
+    assert re.search(r"did not verify the gears: running the largest slice of layers maps and prepacks about "
+                     r"0\.\d GiB, and 0\.0 GiB is available; the artifact is complete", printed), printed
+    assert "[verify" not in printed
+    assert re.search(r"note: serving this artifact holds its 0\.\d GiB of weights in memory \(plus the KV pool\), "
+                     r"and this machine has 0\.0 GiB available: it will not run here", printed), printed
+    Manifest.load(tmp_path / "out")  # whole: every file's checksum as recorded
