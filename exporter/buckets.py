@@ -47,7 +47,8 @@ def plan_gears(model: ModelConfig, options: ExportOptions) -> dict[str, tuple[Ge
     blocks = context_ladder(options)
     ladders = options.buckets
     gears = {
-        PREFILL: tuple(Gear(t, min(ladders.prefill_max_seqs, t), m) for t in ladders.prefill_tokens for m in blocks),
+        PREFILL: tuple(Gear(t, min(ladders.prefill_max_seqs, t), m)
+                       for t in sorted(set(ladders.prefill_tokens) | set(ladders.verify_tokens)) for m in blocks),
         DECODE: tuple(Gear(b, b, m) for b in ladders.decode_batch for m in blocks),
     }
     for family, family_gears in gears.items():

@@ -60,14 +60,19 @@ class BucketLadders(Settings):
     decode_batch: list[int] = list(DEFAULT_DECODE_BATCHES)
     prefill_tokens: list[int] = list(DEFAULT_PREFILL_TOKENS)
     prefill_max_seqs: int = Field(64, ge=1, description="sequences per prefill or mixed step (the B of prefill gears)")
+    verify_tokens: list[int] = Field(
+        default_factory=list, description="small prefill gears for speculative decoding (runtime/spec): a step "
+                                          "verifies K+1 tokens per speculating sequence, e.g. [8, 16, 32] for K up "
+                                          "to 7 at B <= 4; each T joins the prefill ladder (B = min(T, prefill_max_seqs) rows)")
     context_blocks: list[int] | None = Field(
         None, description="blocks-per-sequence ladder (M); default: powers of two up to max_model_len/block_size")
 
     @model_validator(mode="after")
     def _ascending(self) -> "BucketLadders":
-        for name in ("decode_batch", "prefill_tokens", "context_blocks"):
+        for name in ("decode_batch", "prefill_tokens", "context_blocks", "verify_tokens"):
             ladder = getattr(self, name)
-            if ladder is not None and (not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1):
+            if ladder is not None and ((not ladder and name != "verify_tokens") or list(ladder) != sorted(set(ladder))
+                                       or ladder and ladder[0] < 1):
                 raise ValueError(f"{name} must be a non-empty, strictly ascending list of positive integers, got {list(ladder)}")
         return self
 

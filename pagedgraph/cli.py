@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.artifact, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
               max_model_len=args.max_model_len, threads=args.threads,
               enable_prefix_caching=not args.no_prefix_caching, executor=args.executor, custom_ops=args.custom_ops,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
     # A field neither the line nor a flag sets: the model's generation defaults (manifest), else SamplingParams'.
     print(f"{args.artifact}: {llm.engine.manifest.precision()}", file=sys.stderr)
     model_defaults = llm.engine.manifest.sampling_defaults
@@ -110,6 +110,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 1 if len(rejected) == len(requests) else 0
 
 
+def _speculative_json(text: str | None) -> dict[str, Any] | None:
+    """--speculative-config JSON as the mapping the deployment schema checks (None: not given)."""
+    from .runtime.spec.config import speculative_config
+
+    spec = speculative_config(text, "--speculative-config")
+    return None if spec is None else spec.model_dump(exclude_none=True)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -132,7 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
                  "kv_cache.num_blocks": args.num_blocks, "kv_cache.kv_cache_bytes": args.kv_cache_bytes,
                  "scheduler.max_model_len": args.max_model_len, "server.api_key": args.api_key,
                  "executor.custom_ops": args.custom_ops, "kv_cache.dtype": args.kv_cache_dtype,
-                 "fleet.data_parallel_size": args.data_parallel_size, "fleet.router.policy": args.router_policy}
+                 "fleet.data_parallel_size": args.data_parallel_size, "fleet.router.policy": args.router_policy,
+                 "speculative_config": _speculative_json(args.speculative_config)}
     if args.config is not None:
         deployment, source = load_deployment(args.config, overrides), args.config
     elif artifact is None:
@@ -244,7 +253,8 @@ def _bench(args: argparse.Namespace) -> int:
                            seed=args.seed, baseline=None if baseline == "none" else baseline,
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
                            custom_ops=args.custom_ops, kv_cache_dtype=args.kv_cache_dtype, chunk_tokens=args.chunk_tokens,
-                           micro=not (args.no_micro or self_compared), prefixes=args.prefixes)
+                           micro=not (args.no_micro or self_compared), prefixes=args.prefixes,
+                           speculative_config=_speculative_json(args.speculative_config))
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -306,6 +316,13 @@ def _byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
     return value
+
+
+def _speculative_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
+                        help=f"speculative decoding{what}, vLLM's keys: "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}\' or '
+                             '\'{"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT_ARTIFACT"}\'')
 
 
 def _pool_flags(parser: argparse.ArgumentParser, override: str) -> None:
@@ -393,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
     _custom_ops_flag(p, "auto", "onnxruntime executor")
     _kv_cache_dtype_flag(p, "auto", "KV cache")
+    _speculative_flag(p, " (default: off)")
     p.set_defaults(func=_generate)
 
     p = command("inspect", "show what an artifact holds: model, dtype, buckets, sizes, export config, versions, "
@@ -421,6 +439,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
     _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")
     _kv_cache_dtype_flag(p, None, "override kv_cache.dtype (default: auto)")
+    _speculative_flag(p, ", overriding the deployment's speculative_config (default: off)")
     p.add_argument("--data-parallel-size", type=int, dest="data_parallel_size",
                    help="override fleet.data_parallel_size: this many replicas, each pinned to its own cores, behind "
                         "vllm-router on --port (needs pagedgraph[fleet]; see docs/scale-out.md) (default: 1)")
@@ -445,10 +464,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, help="--url: requests in flight at once (default: all)")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="--url: the server's API key (default: $PAGEDGRAPH_API_KEY, else none)")
-    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress"], default="mixed",
+    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress", "copy"], default="mixed",
                    help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
-                        "off (needs a 4,096-token artifact: configs/smollm2-long.yaml)")
-    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17)")
+                        "off (needs a 4,096-token artifact: configs/smollm2-long.yaml); copy: one request at a time "
+                        "whose answer quotes its prompt (code edits, typo fixes, extraction), for "
+                        "--speculative-config")
+    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17; copy 9)")
     p.add_argument("--rate", type=float, default=2.0, help="poisson arrival rate, requests/s")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--baseline", choices=["naive", "none"],
@@ -460,6 +481,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
     _custom_ops_flag(p, "auto", "the paged engine's onnxruntime executor (the naive baseline never uses them)")
     _kv_cache_dtype_flag(p, "auto", "KV cache of the paged engine and the naive baseline")
+    _speculative_flag(p, " for the paged engine; the same workload also runs without it, in the same invocation "
+                         "(default: off)")
     p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",

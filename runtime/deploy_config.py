@@ -19,6 +19,7 @@ from ..graphs.contract import DECODE, PREFILL, Gear
 from .engine import EngineConfig
 from .executors import CustomOps
 from .sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
+from .spec.config import SpeculativeConfig
 
 
 class ModelSection(Settings):
@@ -175,6 +176,9 @@ class Deployment(Settings):
     server: ServerSection = ServerSection()
     executor: ExecutorSection = ExecutorSection()
     fleet: FleetSection = FleetSection()
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding with vLLM's keys (method ngram | draft_model, num_speculative_tokens, "
+                          "prompt_lookup_min, prompt_lookup_max, model); docs/usage.md")
 
     @property
     def model_name(self) -> str:
@@ -188,7 +192,11 @@ def load_deployment(path: str | Path, overrides: dict[str, Any] | None = None) -
     model = deployment.model
     paths = {key: str((base / Path(value).expanduser()).resolve()) for key, value in
              (("artifact", model.artifact), ("export_config", model.export_config)) if value is not None}
-    return deployment.model_copy(update={"model": model.model_copy(update=paths)})
+    update: dict[str, Any] = {"model": model.model_copy(update=paths)}
+    spec = deployment.speculative_config
+    if spec is not None and spec.model is not None:  # the draft's artifact, relative to the file too
+        update["speculative_config"] = spec.model_copy(update={"model": str((base / spec.model).resolve())})
+    return deployment.model_copy(update=update)
 
 
 def _exported(manifest: Manifest) -> dict[str, list[int]]:
@@ -243,4 +251,4 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                         enable_chunked_prefill=scheduler.enable_chunked_prefill, gears=gears,
                         enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
                         executor=executor.name, threads=executor.threads, custom_ops=executor.custom_ops,
-                        kv_cache_dtype=kv.dtype)
+                        kv_cache_dtype=kv.dtype, speculative_config=deployment.speculative_config)

@@ -23,6 +23,8 @@ from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, Reque
                                      resolve_max_tokens)
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .spec.build import speculator_for
+from .spec.config import SpeculativeConfig, speculative_config
 from .structured_output import GrammarCompiler, StructuredOutputs
 from .tokenizer import IncrementalDetokenizer, Prompt, PromptEncoder, Tokenizer
 
@@ -50,9 +52,12 @@ class EngineConfig:
     # What the KV pools hold: "auto" (the artifact's compute dtype), float32, bfloat16, float16 or int8; the
     # artifact must have that dtype's graphs (export.kv_cache_dtypes). Pool sizing follows its bytes per block.
     kv_cache_dtype: str = "auto"
+    # vLLM's speculative_config (runtime/spec/config.py): a SpeculativeConfig, or its keys as a mapping or JSON.
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         check_custom_ops(self.custom_ops)
+        object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
         if self.kv_cache_dtype != "auto":
             cache_format(self.kv_cache_dtype)  # a clear error for an unknown name
 
@@ -178,6 +183,7 @@ class LLMEngine:
         self.sampler.add(self.structured)
         # What a request without SamplingParams gets: the model's generation defaults (manifest), else ours.
         self.default_params = SamplingParams.from_defaults(self.manifest.sampling_defaults)
+        self.speculator = speculator_for(config, self)
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
@@ -247,7 +253,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one bucket graph; returns the requests that progressed (finished ones included)."""
         start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.scheduled(batch)
         if batch is None:
             return []
         family, gear = self.packer.select(batch)
@@ -280,11 +290,18 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any,
                      start: float) -> list[RequestOutput]:
         rows, ready = [], []
+        groups: dict[str, list[Sequence]] = {}
         in_order = True  # rows == 0, 1, 2, ...: every row sampled once, in order (decode steps)
-        extra = len(seqs)  # the prompt-logprob rows follow the per-sequence rows (ScheduledBatch)
+        extra = len(seqs)  # the per-token rows (prompt logprobs, drafts) follow the per-sequence rows (ScheduledBatch)
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
+            if seq.num_draft_tokens:
+                groups[seq.request_id] = self._groups[seq.request_id]  # before a finish can drop it
+                self._verify(seq, logits, [extra + j for j in range(n - 1)] + [i])
+                extra += n - 1
+                in_order = False
+                continue
             if seq.wants_prompt_logprobs:
                 self._prompt_logprobs(seq, n, logits, i, extra)
                 extra += n - 1
@@ -294,7 +311,6 @@ class LLMEngine:
                     in_order = in_order and i == len(rows)
                     rows.append(i)
                     ready.append(s)
-        groups: dict[str, list[Sequence]] = {}
         if ready:
             # In order, a view instead of a per-step copy of B x vocab floats (docs/performance.md, "Kernel and graph
             # choices").
@@ -305,6 +321,21 @@ class LLMEngine:
                 groups[seq.request_id] = self._groups[seq.request_id]
                 self._append(seq, token)
         return [self._output(g) for g in groups.values()]
+
+    def _verify(self, seq: Sequence, logits: Any, picks: list[int]) -> None:
+        """Keep the drafts the target agrees with (runtime/spec): `picks` are the logits rows of the fed tokens."""
+        assert self.speculator is not None
+        rows = self.speculator.rows(logits, picks)
+        tokens = self.speculator.verify(seq, rows)
+        self.kv.rollback(seq, seq.num_computed_tokens + len(tokens))  # the fed token and the kept drafts
+        for row, token in zip(rows, tokens):
+            # The tokens so far have their K/V: register the blocks they fill, as a plain run's steps would have.
+            self.kv.cache_blocks(seq, seq.num_tokens)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
+            self._append(seq, token)
+            if seq.finished:
+                return
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence, n: int, logits: Any, row: int, extra: int) -> None:
@@ -379,6 +410,9 @@ class LLMEngine:
         """`flush=False` when a stop string cut the text: held-back bytes lie past the cut."""
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
+        seq.drop_drafts()
+        if self.speculator is not None:
+            self.speculator.release(seq)
         detok = self._detok.pop(seq)
         if flush:
             seq.text += detok.flush()

@@ -135,7 +135,7 @@ class KVCacheManager:
         step: the graph writes all new K/V of a layer before any query of that layer reads, so a
         request admitted later in the same step may already share these blocks.
         """
-        full = num_tokens // self.block_size
+        full = min(num_tokens, seq.num_verified_tokens) // self.block_size  # drafts never enter the cache
         done = self._num_registered.get(seq, 0)
         if not self.enable_prefix_caching or full <= done:
             return
@@ -144,6 +144,19 @@ class KVCacheManager:
         for i in range(done, full):
             self.pool.cache(blocks[seq.block_table[i]], hashes[i])
         self._num_registered[seq] = full
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Keep the K/V of the first `num_computed` tokens only (drafts the target rejected): the blocks past them
+        go back to the pool, the table entries are dropped, nothing is copied.
+
+        Those blocks held only drafts, so they are unhashed (`cache_blocks` skips drafts) and fresh for this
+        sequence alone (ref_cnt 1): after the rollback, refcounts, hashes and the free count are those of a run
+        that never proposed them."""
+        keep = -(-num_computed // self.block_size)
+        blocks = self.pool.blocks
+        self.pool.free([blocks[b] for b in reversed(seq.block_table[keep:])])
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_computed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (a copy of its tokens); writes copy shared partial blocks."""

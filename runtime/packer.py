@@ -75,18 +75,18 @@ class Packer:
         slots[row:] = c.NULL_BLOCK * bs
         cu[real:] = row
         context_lens[real:] = 0
-        rows = real + batch.prompt_logprob_rows
-        if batch.prompt_logprob_rows:
-            self._prompt_logprob_rows(batch, logits_indices[real:rows])
+        rows = real + batch.token_rows
+        if batch.token_rows:
+            self._token_rows(batch, logits_indices[real:rows])
         logits_indices[rows:] = 0
         return buf
 
-    def _prompt_logprob_rows(self, batch: ScheduledBatch, out: np.ndarray) -> None:
+    def _token_rows(self, batch: ScheduledBatch, out: np.ndarray) -> None:
         """Point the spare logits rows at every fed token but the last (whose row the sampler already has)
-        of each sequence that wants prompt logprobs, in batch order (runtime/prompt_logprobs.py)."""
+        of each sequence that wants a row per token, in batch order (prompt logprobs, drafts to verify)."""
         at, row = 0, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.wants_prompt_logprobs and n > 1:
+            if seq.wants_token_rows and n > 1:
                 np.add(self._arange[:n - 1], row, out=out[at:at + n - 1])
                 at += n - 1
             row += n

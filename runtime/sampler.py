@@ -86,7 +86,7 @@ class Sampler:
         self.seconds.setdefault(processor.name, 0.0)
 
     def sample(self, logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
-        processed = [i for i, s in enumerate(seqs) if self._wanted(s)] if self.processors else []
+        processed = [i for i, s in enumerate(seqs) if self.wants(s)] if self.processors else []
         if not processed:
             if all(s.params.greedy for s in seqs):  # one vectorized argmax
                 return np.argmax(logits, axis=1).tolist()
@@ -111,7 +111,8 @@ class Sampler:
             self.seconds[processor.name] += time.perf_counter() - start
         return tokens
 
-    def _wanted(self, seq: Sequence) -> bool:
+    def wants(self, seq: Sequence) -> bool:
+        """Whether some logits processor edits this sequence's rows."""
         for processor in self.processors:
             if processor.wants(seq):
                 return True

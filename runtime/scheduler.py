@@ -31,13 +31,14 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     copies: CopyPairs = field(default_factory=list)
-    # Logits rows beyond one per sequence: every fed token but the last of each sequence that wants prompt
-    # logprobs (runtime/prompt_logprobs.py), in batch order after the per-sequence rows.
-    prompt_logprob_rows: int = 0
+    # Logits rows beyond one per sequence: every fed token but the last of each sequence that wants a row per
+    # token (prompt logprobs, runtime/prompt_logprobs.py; drafts to verify, runtime/spec), in batch order after
+    # the per-sequence rows.
+    token_rows: int = 0
 
     @property
     def num_logits_rows(self) -> int:
-        return len(self.seqs) + self.prompt_logprob_rows
+        return len(self.seqs) + self.token_rows
 
     @property
     def total_tokens(self) -> int:
@@ -113,7 +114,7 @@ class Scheduler:
             return 0
         remaining = seq.num_tokens - start
         budget = min(budget, self.chunk_cap)
-        wants_rows = seq.wants_prompt_logprobs
+        wants_rows = seq.wants_token_rows
         if wants_rows:
             budget = min(budget, rows)
         if remaining <= budget:
@@ -149,7 +150,7 @@ class Scheduler:
                 if victim in plan:  # scheduled earlier in this loop: give its tokens (and rows) back
                     given = plan.pop(victim)[0]
                     budget += given
-                    if victim.wants_prompt_logprobs:
+                    if victim.wants_token_rows:
                         extra_rows -= given - 1
                 self._preempt(victim)
                 preempted = True
@@ -158,7 +159,7 @@ class Scheduler:
             if copies is not None:
                 plan[seq] = (n, copies)
                 budget -= n
-                if seq.wants_prompt_logprobs:
+                if seq.wants_token_rows:
                     extra_rows += n - 1
         # No preemption past this point, so the step's full blocks can be offered to admissions below.
         for seq, (n, _) in plan.items():
@@ -184,7 +185,7 @@ class Scheduler:
             return None
         # Packing order (docs/design.md): chunks first, then single tokens by context length, longest
         # first, so the graph can split the decodes into two groups that each read what they use.
-        batch = ScheduledBatch(prompt_logprob_rows=extra_rows)
+        batch = ScheduledBatch(token_rows=extra_rows)
         chunks = [seq for seq, (n, _) in plan.items() if n > 1]
         singles = sorted((seq for seq, (n, _) in plan.items() if n == 1), key=lambda s: -s.num_computed_tokens)
         for seq in chunks + singles:

@@ -47,6 +47,10 @@ class Sequence:
     rng: np.random.Generator | None = None
     # The sampler's logits processors keep what they track of this sequence here, by processor name.
     processor_state: dict[str, Any] = field(default_factory=dict)
+    # Proposed tokens (speculative decoding) at the end of token_ids, fed with the last real token for the
+    # target to verify; only within a step: runtime/spec/speculator.py adds them before scheduling and
+    # removes them when the step's logits are in (or the sequence was not scheduled).
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -77,6 +81,31 @@ class Sequence:
         """True until every prompt token has its log-probability: until then each token fed needs a logits
         row of its own (the scheduler and packer make room) and the prefix cache is not read."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_tokens - self.num_draft_tokens:]
+
+    @property
+    def num_verified_tokens(self) -> int:
+        """Tokens that are the sequence's own: the drafts excluded (only those may enter the prefix cache)."""
+        return self.num_tokens - self.num_draft_tokens
+
+    def set_drafts(self, draft: list[int]) -> None:
+        self.drop_drafts()
+        self.token_ids.extend(draft)
+        self.num_draft_tokens = len(draft)
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Remove the drafts after the first `keep`."""
+        if self.num_draft_tokens > keep:
+            del self.token_ids[self.num_tokens - self.num_draft_tokens + keep:]
+            self.num_draft_tokens = keep
+
+    @property
+    def wants_token_rows(self) -> bool:
+        """A logits row for every token fed this step: prompt logprobs, or drafts to verify."""
+        return self.num_draft_tokens > 0 or self.wants_prompt_logprobs
 
     @property
     def finished(self) -> bool:

@@ -56,3 +56,49 @@ def shared_prefix_workload(num_requests: int = 32, prefix_words: int = 860, max_
         items.append({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
                       "max_tokens": max_tokens, "temperature": 0.0})
     return items
+
+
+def _typo(rng: random.Random, word: str) -> str:
+    """`word` with two neighbouring letters swapped (words of 4+ letters)."""
+    if len(word) < 4:
+        return word
+    i = rng.randrange(1, len(word) - 2)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+
+
+def _code(rng: random.Random, name: str) -> str:
+    fields = rng.sample(_WORDS, 4)
+    lines = [f"def update_{name}({name}, {fields[0]}, {fields[1]}):",
+             f"    \"\"\"Apply the {fields[2]} rules to {name}.\"\"\""]
+    for field in fields:
+        lines.append(f"    if {name}.{field} is None:")
+        lines.append(f"        {name}.{field} = {fields[0]}.{field} + {fields[1]}")
+    lines.append(f"    return {name}")
+    return "\n".join(lines)
+
+
+def copy_heavy_workload(num_requests: int = 8, seed: int = 0) -> list[tuple[list[dict[str, str]], str]]:
+    """Chats whose answer quotes the prompt (what n-gram speculation is for): rename a variable in a function,
+    fix the typos of a paragraph, copy the matching records of a list. Each item: the messages and the text the
+    answer quotes (its length sizes max_tokens)."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(num_requests):
+        kind = i % 3
+        if kind == 0:
+            old, new = rng.sample(_WORDS, 2)
+            code = _code(rng, old)
+            ask = f"Rename the variable `{old}` to `{new}` in this function and return the whole function.\n\n{code}"
+            quoted = code.replace(old, new)
+        elif kind == 1:
+            text = _policy_text(rng, 70)
+            noisy = " ".join(_typo(rng, w) if rng.random() < 0.2 else w for w in text.split())
+            ask = f"Fix the typos in this text and return the corrected text only.\n\n{noisy}"
+            quoted = text
+        else:
+            records = [f"{rng.choice(_WORDS)}-{rng.randint(100, 999)}: status {rng.choice(('open', 'closed'))}, "
+                       f"owner {rng.choice(_WORDS)}, {rng.choice(_WORDS)} {rng.choice(_WORDS)}" for _ in range(14)]
+            ask = "Copy every record whose status is open, unchanged, one per line.\n\n" + "\n".join(records)
+            quoted = "\n".join(r for r in records if "status open" in r)
+        items.append(([{"role": "user", "content": ask}], quoted))
+    return items

@@ -18,7 +18,7 @@ TEST_EXPORT = {
     }
 }
 # Fixtures of the real model: their tests are `e2e`.
-REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact"}
+REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact", "smollm2_spec_artifact"}
 
 
 def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, name: str,
@@ -43,6 +43,16 @@ _NO_BASELINE = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported once. PAGEDGRAPH_TEST_ARTIFACT reuses a directory exported with TEST_EXPORT."""
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_ARTIFACT", "smollm2", TEST_EXPORT)
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model with small prefill gears for speculative decoding (export.buckets.verify_tokens).
+
+    PAGEDGRAPH_TEST_SPEC_ARTIFACT reuses a directory exported with the same settings."""
+    buckets = {**_NO_BASELINE["buckets"], "verify_tokens": [8, 16, 32]}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_SPEC_ARTIFACT", "smollm2-spec",
+                                {"export": {**_NO_BASELINE, "buckets": buckets}})
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,9 @@ _COMPARISONS = {"shared-prefix": ("cache_off", "cache off"), "stress": ("chunkin
 
 
 def _comparison(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    key, name = _COMPARISONS.get(results["workload"], ("naive", "naive"))
+    """With speculative decoding on, the same workload with it off; else the workload's own comparison."""
+    key, name = ("spec_off", "spec off") if "spec_off" in results else \
+        _COMPARISONS.get(results["workload"], ("naive", "naive"))
     return name, results.get(key) or {}
 
 
@@ -54,6 +56,11 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
     if "prefix_hit_rate" in results:
         table.append(_row("prefix hit rate", results["prefix_hit_rate"], other.get("prefix_hit_rate"),
                           lambda v: f"{v:.3f}"))
+    spec = results.get("spec_decode")
+    if spec is not None:
+        table.append(_row("speculation: acceptance rate", spec["acceptance_rate"], None, lambda v: f"{v:.3f}"))
+        table.append(_row("speculation: mean acceptance length", spec["mean_acceptance_length"], None,
+                          lambda v: f"{v:.2f}"))
     for ctx, seconds in results.get("decode_step_s", {}).items():
         table.append(_row(f"decode step s, B={results['options']['decode_batch']}, context {ctx}", seconds,
                           results.get("naive_decode_step_s", {}).get(ctx), lambda v: f"{v:.4f}"))

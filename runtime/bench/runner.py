@@ -31,6 +31,8 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> RunRecord:
     counters_before = {name: getattr(stats, name) for name in _COUNTERS}
     hits_before, cache_before = dict(stats.bucket_hits), replace(cache)
     preemptions_before = engine.scheduler.num_preemptions
+    spec = engine.speculator
+    spec_before = spec.stats.to_dict() if spec is not None else None
     record = RunRecord(requests=len(requests), prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
                        output_tokens=sum(r.max_tokens for r in requests))
     timeline, seen = record.timeline, {}
@@ -69,4 +71,6 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> RunRecord:
     queries = cache.queries - cache_before.queries
     record.extra = {"prefix_hit_rate": (cache.hits - cache_before.hits) / queries if queries else 0.0,
                     "preemptions": engine.scheduler.num_preemptions - preemptions_before}
+    if spec is not None and spec_before is not None:
+        record.extra["spec_decode"] = spec.stats.since(spec_before)
     return record

@@ -28,8 +28,11 @@ from ..engine import EngineConfig, LLMEngine
 from ..executors import CustomOps
 from ..kv_pools import weights_bytes
 
-DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17}
-NO_BASELINE = ("stress",)  # workloads compared with themselves (chunking on vs off), not with the naive engine
+DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17, "copy": 9}
+# Workloads compared with themselves (chunking on vs off; speculation on vs off), not with the naive engine.
+NO_BASELINE = ("stress", "copy")
+# Engine settings a workload implies: copy is a single stream (one request at a time, B=1).
+WORKLOAD_CONFIG: dict[str, dict[str, Any]] = {"copy": {"max_num_seqs": 1}}
 # The stress figures reported for both runs (the chunking-off run's with a `_chunking_off` suffix).
 STRESS_KEYS = ("itl_p50_s", "itl_p99_s", "itl_max_s", "itl_p99_over_p50", "long_prompt_ttft_s", "total_s")
 
@@ -52,6 +55,8 @@ class BenchOptions:
     custom_ops: CustomOps = "auto"  # the paged engine's (EngineConfig); the naive baseline never uses them
     kv_cache_dtype: str = "auto"  # the paged engine's and the naive baseline's KV cache
     chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
+    # The paged engine's speculative_config (runtime/spec/config.py); the workload then also runs without it.
+    speculative_config: dict[str, Any] | None = None
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
     contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...
@@ -66,8 +71,9 @@ class BenchOptions:
         if self.baseline not in (None, "naive"):
             raise ValueError(f"--baseline {self.baseline!r}: choose naive or none")
         if self.workload in NO_BASELINE and (self.baseline or self.micro):
-            raise ValueError(f"--workload {self.workload} compares chunked prefill on and off: pass --baseline none "
-                             f"--no-micro (the naive baseline and the decode figures belong to the mixed workload)")
+            raise ValueError(f"--workload {self.workload} is compared with itself (stress: chunked prefill on and off; "
+                             f"copy: speculation on and off): pass --baseline none --no-micro (the naive baseline "
+                             f"and the decode figures belong to the mixed workload)")
 
 
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
@@ -75,6 +81,8 @@ def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
     if options.workload == "shared-prefix":
         requests = workloads.shared_prefix(engine.prompts.token_ids, count, options.prefix_words, options.seed,
                                            options.prefixes)
+    elif options.workload == "copy":
+        requests = workloads.copy_heavy(engine.prompts.token_ids, count, options.seed)
     elif options.workload == "stress":
         requests = workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
     else:
@@ -92,6 +100,7 @@ def _engine(options: BenchOptions, log: TextIO, **config: Any) -> tuple[LLMEngin
     Other executors compile each gear on its first step, so their engines first serve look-alike
     requests (the next seed: no prefix hits on the measured ones), untimed.
     """
+    config = {**WORKLOAD_CONFIG.get(options.workload, {}), **config}
     engine = LLMEngine(options.artifact, EngineConfig(threads=options.threads, executor=options.executor,
                                                       custom_ops=options.custom_ops,
                                                       kv_cache_dtype=options.kv_cache_dtype, **config))
@@ -139,11 +148,21 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
         results.update(_stress(options, log))
         results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
         return results
-    paged, requests, engine = _measure_paged(options, log)
+    spec = options.speculative_config
+    paged, requests, engine = _measure_paged(options, log, **({"speculative_config": spec} if spec else {}))
     vocab_size = engine.model.vocab_size
     results.update(paged.figures())
     del engine
     gc.collect()
+    if spec:
+        print("paged engine, speculative decoding off ...", file=log)
+        off_record = run_engine(_engine(options, log)[0], requests)
+        off = off_record.figures()
+        off["peak_rss_bytes"] = None  # the process's high-water mark is the first engine's
+        results.update(spec_off=off, output_tok_s_spec_off=off["output_tok_s"],
+                       speedup_vs_spec_off=results["output_tok_s"] / off["output_tok_s"],
+                       outputs_equal_spec_off=paged.outputs == off_record.outputs)
+        gc.collect()
     if options.workload == "shared-prefix":
         print("paged engine, prefix caching off ...", file=log)
         off = run_engine(_engine(options, log, enable_prefix_caching=False)[0], requests).figures()

@@ -7,9 +7,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..workloads import shared_prefix_workload
+from ..workloads import copy_heavy_workload, shared_prefix_workload
 
-WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress")
+WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress", "copy")
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 
 
@@ -51,6 +51,12 @@ def shared_prefix(encode: Callable[[Mapping[str, Any]], list[int]], num_requests
     words = {} if prefix_words is None else {"prefix_words": prefix_words}
     items = shared_prefix_workload(num_requests=num_requests, seed=seed, prefixes=prefixes, **words)
     return [BenchRequest(encode({"messages": item["messages"]}), int(item["max_tokens"])) for item in items]
+
+
+def copy_heavy(encode: Callable[[Any], list[int]], num_requests: int = 8, seed: int = 0) -> list[BenchRequest]:
+    """runtime.workloads' copy-heavy chats at t=0; each asks for as many tokens as the text its answer quotes."""
+    return [BenchRequest(encode({"messages": messages}), len(encode(quoted)))
+            for messages, quoted in copy_heavy_workload(num_requests, seed)]
 
 
 @dataclass(frozen=True)

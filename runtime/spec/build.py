@@ -1,0 +1,67 @@
+"""The engine's speculator from its config: checks against the artifact, then the proposer of the method."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from ...artifact.settings import ConfigError
+from .config import SpeculativeConfig
+from .draft import DraftProposer
+from .ngram import NgramProposer
+from ..sampler import Sampler
+from ..tokenizer import Tokenizer
+from .proposer import Proposer
+from .speculator import Speculator
+
+
+class Target(Protocol):
+    """What is read of the engine that speculates (it passes itself: runtime/spec never imports the engine)."""
+
+    artifact: Path
+    max_model_len: int
+    max_logits_rows: int
+    model: Any  # graphs.config.ModelConfig
+    sampler: Sampler
+    tokenizer: Tokenizer
+
+
+def check_query_buckets(spec: SpeculativeConfig, max_rows: int, artifact: object) -> None:
+    """A verification needs K+1 logits rows for one sequence in one prefill gear."""
+    if spec.num_speculative_tokens + 1 > max_rows:
+        raise ConfigError(f"speculative_config.num_speculative_tokens = {spec.num_speculative_tokens}: verifying K "
+                          f"drafts takes K+1 logits rows in one prefill gear, and the gears of {artifact} hold at "
+                          f"most {max_rows}; use at most {max_rows - 1}, or export more rows "
+                          f"(export.buckets.verify_tokens)")
+
+
+def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
+    """The draft artifact in an engine of the target's own class and settings (the engine's EngineConfig)."""
+    assert spec.model is not None
+    draft = type(target)(spec.model, replace(config, speculative_config=None, gears=None,
+                                              max_model_len=target.max_model_len, kv_cache_dtype="auto"))
+    problems = []
+    if draft.model.vocab_size != target.model.vocab_size:
+        problems.append(f"its vocabulary has {draft.model.vocab_size} entries, the target's {target.model.vocab_size}")
+    elif draft.tokenizer.backend.get_vocab(True) != target.tokenizer.backend.get_vocab(True):
+        problems.append("its tokenizer maps tokens to other ids than the target's")
+    if draft.max_model_len < target.max_model_len:
+        problems.append(f"it was exported for max_model_len {draft.max_model_len}, the target runs "
+                        f"{target.max_model_len}")
+    if problems:
+        raise ConfigError(f"speculative_config.model = {spec.model!r}: a draft must share the target's tokenizer and "
+                          f"context; " + "; ".join(problems) + " (export the draft from the same checkpoint or family)")
+    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size)
+
+
+def speculator_for(config: Any, engine: Target) -> Speculator | None:
+    """`config`: the engine's EngineConfig, its speculative_config already checked."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    assert isinstance(spec, SpeculativeConfig)
+    check_query_buckets(spec, engine.max_logits_rows, engine.artifact)
+    proposer: Any = (NgramProposer(*spec.lookup_range, engine.max_model_len) if spec.method == "ngram"
+                     else _draft(spec, config, engine))
+    return Speculator(spec, proposer, engine.max_model_len, engine.model.vocab_size,
+                      lambda seq: not engine.sampler.wants(seq))

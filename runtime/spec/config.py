@@ -1,0 +1,63 @@
+"""`speculative_config` with vLLM's keys: one schema for the deployment YAML, `LLM(...)` and the CLI's JSON."""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, model_validator
+
+from ...artifact.settings import ConfigError, Settings, validate
+
+Method = Literal["ngram", "draft_model"]
+
+
+class SpeculativeConfig(Settings):
+    method: Method = Field(description="ngram: prompt lookup in the sequence's own tokens; draft_model: a smaller "
+                                       "artifact with the same tokenizer proposes")
+    num_speculative_tokens: int = Field(ge=1, description="K: tokens proposed per step, verified in one step with "
+                                                          "the last real token (K+1 logits rows per sequence)")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest suffix that may match "
+                                                                  "(vLLM's defaults: both 5 when neither is given)")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix tried first")
+    model: str | None = Field(None, description="draft_model: the draft's exported artifact directory")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no speculation while more sequences than this run (the step is compute-bound "
+                                "there); default: 4 (runtime/spec/speculator.py)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("model: method draft_model needs the draft's artifact directory in `model`")
+        if self.method == "ngram" and self.model:
+            raise ValueError(f"model = {self.model!r}: method ngram proposes from the prompt and takes no model; "
+                             f"drop `model`, or set method draft_model")
+        if self.method == "draft_model" and (self.prompt_lookup_min or self.prompt_lookup_max):
+            raise ValueError("prompt_lookup_min / prompt_lookup_max belong to method ngram; drop them for draft_model")
+        low, high = self.lookup_range
+        if self.method == "ngram" and low > high:
+            raise ValueError(f"prompt_lookup_min = {low} exceeds prompt_lookup_max = {high}")
+        return self
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(min, max) suffix lengths, with vLLM's defaults: 5 and 5 when neither is set, else the one given."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        return (low or high, high or low)  # type: ignore[return-value]
+
+
+def speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str | None,
+                       source: str = "speculative_config") -> SpeculativeConfig | None:
+    """Accept what users pass: the model, a mapping (YAML, `LLM(speculative_config={...})`) or JSON text (CLI)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: not JSON ({exc}); e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source} must be a mapping of its keys, got {type(value).__name__}")
+    return validate(SpeculativeConfig, dict(value), source)

@@ -1,0 +1,160 @@
+"""`draft_model` proposals: a smaller artifact with the same tokenizer, run by the same machinery as the target
+(its own packer, gears, executor and paged KV pool with prefix caching), K tokens per step.
+
+Each target sequence has a shadow sequence in the draft's pool. Before a proposal the shadow takes the
+target's verified tokens: its K/V is kept up to the longest prefix its own earlier drafts share with them
+(the draft's cache rolls back like the target's), the rest is fed in one packed step with every other
+speculating sequence (chunked when it exceeds the draft's largest prefill gear), and the last row gives the
+first draft; then K - 1 decode steps of the draft give the others.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence as Seq
+
+import numpy as np
+
+from ..executors import Executor
+from ..kv_cache_manager import KVCacheManager
+from ..kv_pools import KVPools
+from ..packer import Packer
+from ..sampling_params import SamplingParams
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
+from ...graphs.contract import PREFILL
+from .rejection import target_probs
+
+SHADOW_PARAMS = SamplingParams(temperature=0)  # what the shadow carries: nothing the packer or pool reads
+
+
+class DraftModel(Protocol):
+    """The parts of an engine built for the draft artifact that proposals use (LLMEngine has them)."""
+
+    kv: KVCacheManager
+    packer: Packer
+    executor: Executor
+    pools: KVPools
+
+
+class DraftProposer:
+    def __init__(self, draft: DraftModel, k: int, vocab_size: int) -> None:
+        self.draft = draft
+        self.k = k
+        self.vocab_size = vocab_size
+        prefill = draft.packer.gears[PREFILL]
+        self.max_tokens = max(g.tokens for g in prefill)
+        self.max_seqs = max(g.seqs for g in prefill)
+        self._shadows: dict[Sequence, Sequence] = {}
+        self._q: dict[Sequence, np.ndarray] = {}  # [k, vocab] float32, made once per sampled sequence
+        self._scratch = np.empty(vocab_size, np.float64)
+
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The shadow of `seq`, holding its verified tokens, K/V kept where its last drafts were right."""
+        kv = self.draft.kv
+        verified = seq.token_ids[:seq.num_verified_tokens]
+        shadow = self._shadows.get(seq)
+        if shadow is None:
+            shadow = self._shadows[seq] = Sequence(seq.request_id, seq.prompt_token_ids, SHADOW_PARAMS, seq.arrival,
+                                                   token_ids=list(verified))
+            kv.allocate_slots(shadow, 0, kv.computed_blocks(shadow))  # prefix hits only: nothing to allocate
+            return shadow
+        tokens = shadow.token_ids
+        same = shadow.num_verified_tokens
+        limit = min(len(tokens), len(verified))
+        while same < limit and tokens[same] == verified[same]:
+            same += 1
+        shadow.num_draft_tokens = 0
+        keep = min(same, len(verified) - 1)  # the last token is always fed: its row gives the first draft
+        if shadow.num_computed_tokens > keep:
+            kv.rollback(shadow, keep)
+        del tokens[same:]
+        tokens.extend(verified[same:])
+        return shadow
+
+    def _feed(self, group: list[tuple[Sequence, int]]) -> tuple[list[Sequence], np.ndarray]:
+        """Run one draft step feeding n tokens of each shadow; the shadows that got room, and their logits rows."""
+        kv, batch = self.draft.kv, ScheduledBatch()
+        chunks = [(s, n) for s, n in group if n > 1]
+        singles = sorted(((s, n) for s, n in group if n == 1), key=lambda e: -e[0].num_computed_tokens)
+        for shadow, n in chunks + singles:
+            copies = kv.allocate_slots(shadow, n)
+            if copies is None:  # the draft's pool is short: this sequence gets no proposal this step
+                continue
+            kv.cache_blocks(shadow, shadow.num_computed_tokens + n)
+            batch.seqs.append(shadow)
+            batch.num_tokens.append(n)
+            batch.copies.extend(copies)
+        if not batch.seqs:
+            return [], np.empty((0, self.vocab_size), np.float32)
+        _, gear = self.draft.packer.select(batch)
+        inputs = self.draft.packer.pack(batch, gear)
+        if batch.copies:
+            self.draft.pools.copy_blocks(batch.copies)
+        logits = self.draft.executor.run(gear, inputs)
+        for shadow, n in zip(batch.seqs, batch.num_tokens):
+            shadow.num_computed_tokens += n
+        return batch.seqs, logits
+
+    def _catch_up(self, shadows: list[Sequence]) -> dict[Sequence, np.ndarray]:
+        """Feed every shadow's uncomputed tokens; the logits row after each one's last token (a copy)."""
+        rows: dict[Sequence, np.ndarray] = {}
+        todo = list(shadows)
+        bs = self.draft.kv.block_size
+        while todo:
+            group, budget = [], self.max_tokens
+            for shadow in todo:
+                n = min(shadow.num_uncomputed, budget)
+                if n < shadow.num_uncomputed:
+                    n -= n % bs
+                if n == 0 or len(group) == self.max_seqs:
+                    break
+                group.append((shadow, n))
+                budget -= n
+            fed, logits = self._feed(group)
+            for i, shadow in enumerate(fed):
+                if shadow.num_uncomputed == 0:
+                    rows[shadow] = logits[i].copy()
+            todo = [s for s, _ in group if s in fed and s.num_uncomputed] + todo[len(group):]
+        return rows
+
+    def _choose(self, seq: Sequence, row: np.ndarray, j: int) -> int:
+        params = seq.params
+        if params.greedy:
+            return int(np.argmax(row))
+        q = self._q.get(seq)
+        if q is None:
+            q = self._q[seq] = np.empty((self.k, self.vocab_size), np.float32)
+        q[j] = target_probs(row, params, self._scratch)
+        assert seq.rng is not None
+        mass = np.cumsum(self._scratch)
+        return int(np.searchsorted(mass, seq.rng.random() * mass[-1], side="right"))
+
+    def propose(self, seqs: Seq[Sequence], lengths: Seq[int]) -> list[list[int]]:
+        wanted = {seq: k for seq, k in zip(seqs, lengths) if k}
+        shadows = {self._sync(seq): seq for seq in wanted}
+        drafts: dict[Sequence, list[int]] = {seq: [] for seq in seqs}
+        for shadow, row in self._catch_up(list(shadows)).items():
+            drafts[shadows[shadow]].append(self._choose(shadows[shadow], row, 0))
+        for j in range(1, max(wanted.values(), default=0)):
+            group = []
+            for shadow, seq in shadows.items():
+                draft = drafts[seq]
+                if len(draft) == j and j < wanted[seq]:
+                    shadow.token_ids.append(draft[-1])
+                    shadow.num_draft_tokens += 1
+                    group.append((shadow, 1))
+            if not group:
+                break
+            fed, logits = self._feed(group)
+            for i, shadow in enumerate(fed):
+                seq = shadows[shadow]
+                drafts[seq].append(self._choose(seq, logits[i], j))
+        return [drafts[seq] for seq in seqs]
+
+    def draft_probs(self, seq: Sequence) -> np.ndarray | None:
+        return None if seq.params.greedy else self._q.get(seq)
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq, None)
+        if shadow is not None:
+            self.draft.kv.free(shadow)
+        self._q.pop(seq, None)

@@ -1,0 +1,159 @@
+"""One engine step of speculative decoding, around the scheduler: propose, trim to what was scheduled, verify.
+
+Drafts ride in the sequence's own token list (`Sequence.set_drafts`), so the scheduler sizes and allocates the
+K+1 tokens like any chunk, the packer feeds them with a logits row each, and the prefix cache skips them
+(`num_verified_tokens`). After the step the kept tokens are appended as the sampler's would be and the rejected
+drafts' slots are rolled back (KVCacheManager.rollback): the engine does both.
+
+Speculation is turned down where it does not pay:
+- per sequence: the number proposed follows what the last verification kept (all kept: one more, up to K;
+  else what was kept, plus one), and after `MISSES` verifications in a row that kept nothing the sequence
+  pauses, for twice as many steps each time;
+- per step: with more than `disable_by_batch_size` sequences running, none speculates (the step is
+  compute-bound there, and every verified draft costs a full token of it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence as Seq
+
+import numpy as np
+
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
+from .config import SpeculativeConfig
+from .proposer import Proposer
+from .rejection import accept_greedy, accept_sampled
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+MISSES = 2  # verifications in a row that kept nothing before a sequence pauses
+FIRST_PAUSE = 4  # steps; doubled at each pause of the same sequence, reset when a draft is kept
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters with vLLM's spec_decode meanings (a draft: one proposal of >= 1 tokens)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K]: drafts kept at each position
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification, the bonus token included (vLLM's mean acceptance length)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def since(self, before: dict[str, Any]) -> dict[str, Any]:
+        """The counters since `before` (an earlier `to_dict`), with their rates, as `to_dict` gives them."""
+        delta = SpecDecodeStats(self.num_drafts - before["num_drafts"],
+                                self.num_draft_tokens - before["num_draft_tokens"],
+                                self.num_accepted_tokens - before["num_accepted_tokens"],
+                                [a - b for a, b in zip(self.accepted_per_pos, before["accepted_per_pos"])])
+        return delta.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+
+
+@dataclass
+class _Pace:
+    """A sequence's adaptive proposal length."""
+
+    k: int
+    misses: int = 0
+    paused: int = 0  # steps left without proposals
+    pause: int = FIRST_PAUSE
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, vocab_size: int,
+                 eligible: Callable[[Sequence], bool]) -> None:
+        """`eligible`: a sequence whose rows need no logits processor (penalties, grammar masks), which
+        verification would have to replay per position."""
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.eligible = eligible
+        self.batch_limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self._pace: dict[Sequence, _Pace] = {}
+        self._proposed: list[Sequence] = []
+        self._scratch = np.empty(vocab_size, np.float64)
+        self._rows = np.empty((self.k + 1, vocab_size), np.float32)
+
+    def rows(self, logits: np.ndarray, picks: list[int]) -> np.ndarray:
+        """The logits rows of one verification, gathered into a buffer made once."""
+        out = self._rows[:len(picks)]
+        np.take(logits, picks, axis=0, out=out)
+        return out
+
+    def _length(self, seq: Sequence) -> int:
+        """Tokens to propose for `seq` now (0: none)."""
+        pace = self._pace.get(seq)
+        if pace is None:
+            pace = self._pace[seq] = _Pace(self.k)
+        if pace.paused:
+            pace.paused -= 1
+            return 0
+        left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # the step emits up to k + 1
+        return max(0, min(pace.k, left - 1, self.max_model_len - seq.num_tokens - 1))
+
+    def propose(self, running: Seq[Sequence]) -> None:
+        """Give drafts to the running sequences that decode next (one token left to compute)."""
+        self._proposed = []
+        if len(running) > self.batch_limit:
+            return
+        seqs = [s for s in running if s.num_uncomputed == 1 and self.eligible(s)]
+        lengths = [self._length(s) for s in seqs]
+        for seq, draft in zip(seqs, self.proposer.propose(seqs, lengths)):
+            if draft:
+                seq.set_drafts(draft)
+                self._proposed.append(seq)
+
+    def scheduled(self, batch: ScheduledBatch | None) -> None:
+        """Keep the drafts the step feeds (a budget may have cut a sequence's chunk), drop the others."""
+        fed = dict(zip(batch.seqs, batch.num_tokens)) if batch is not None else {}
+        for seq in self._proposed:
+            seq.drop_drafts(keep=fed.get(seq, 1) - 1)
+
+    def verify(self, seq: Sequence, rows: np.ndarray) -> list[int]:
+        """The tokens `seq` keeps from its verification rows ([drafts + 1, vocab], one per fed token); its drafts
+        are dropped from its tokens (the caller appends these and rolls the cache back)."""
+        drafts = seq.draft_token_ids
+        seq.drop_drafts()
+        params = seq.params
+        if params.greedy:
+            tokens = accept_greedy(rows, drafts)
+        else:
+            assert seq.rng is not None
+            tokens = accept_sampled(rows, drafts, self.proposer.draft_probs(seq), params, seq.rng, self._scratch)
+        kept = len(tokens) - 1
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += kept
+        for pos in range(kept):
+            stats.accepted_per_pos[pos] += 1
+        self._adapt(self._pace[seq], kept)
+        return tokens
+
+    def _adapt(self, pace: _Pace, kept: int) -> None:
+        pace.k = min(self.k, kept + 1)
+        if kept:
+            pace.misses, pace.pause = 0, FIRST_PAUSE
+            return
+        pace.misses += 1
+        if pace.misses >= MISSES:
+            pace.paused, pace.pause, pace.misses = pace.pause, pace.pause * 2, 0
+
+    def release(self, seq: Sequence) -> None:
+        self._pace.pop(seq, None)
+        self.proposer.release(seq)

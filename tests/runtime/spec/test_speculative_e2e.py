@@ -1,0 +1,134 @@
+"""Speculative decoding on the real model: greedy output equals the plain engine's token for token (n-gram and a
+draft model), the KV state after rejections equals a plain run's, the engine's other features keep working, and
+bad configurations name their key."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedgraph.artifact.settings import ConfigError
+from pagedgraph.runtime.engine import EngineConfig, LLMEngine
+from pagedgraph.runtime.sampling_params import SamplingParams
+from tests.paths import DATA
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 16}
+COPY_PROMPT = [{"role": "user", "content": "Repeat this list exactly, twice: alpha beta gamma delta epsilon zeta "
+                                           "eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau."}]
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict]:
+    return json.loads((DATA / "reference_smollm2.json").read_text())
+
+
+def _engine(artifact: Path, spec: dict | None = None, **config: object) -> LLMEngine:
+    return LLMEngine(artifact, EngineConfig(threads=2, max_num_batched_tokens=1024, speculative_config=spec,
+                                            **config))  # type: ignore[arg-type]
+
+
+def _staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Four requests join before each of the first steps, as in tests/runtime/test_reference_e2e.py."""
+    pending, ids, results = list(enumerate(prompts)), {}, {}
+    while pending or engine.has_unfinished():
+        for i, prompt in pending[:4]:
+            ids[engine.add_request(prompt, params).request_id] = i
+        pending = pending[4:]
+        for out in engine.step():
+            if out.finished:
+                results[ids[out.request_id]] = out.token_ids
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks - 1, "blocks leaked"
+    return [results[i] for i in range(len(prompts))]
+
+
+def _check_spoke(engine: LLMEngine) -> None:
+    stats = engine.speculator.stats
+    assert stats.num_drafts and stats.num_accepted_tokens, "nothing was proposed, or nothing kept"
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, "no proposal was rejected: rollback untested"
+
+
+def test_ngram_greedy_equals_plain_on_the_reference_prompts(smollm2_spec_artifact: Path, reference: list[dict]) -> None:
+    prompts = [r["prompt_token_ids"] for r in reference]
+    plain = _engine(smollm2_spec_artifact)
+    spec = _engine(smollm2_spec_artifact, NGRAM)
+    want = _staggered(plain, prompts, GREEDY)
+    assert _staggered(spec, prompts, GREEDY) == want
+    _check_spoke(spec)
+    assert set(spec.kv.pool.cached) == set(plain.kv.pool.cached), "the prefix cache holds other blocks"
+    assert any(k.startswith("prefill:T8x") or k.startswith("prefill:T16x") for k in spec.stats.bucket_hits)
+
+
+def test_rejected_drafts_leave_the_cache_as_a_plain_run(smollm2_spec_artifact: Path) -> None:
+    """Step by step at B=1: whenever both runs hold the same tokens, refcounts, hashes and free blocks agree."""
+    plain, spec = _engine(smollm2_spec_artifact), _engine(smollm2_spec_artifact, NGRAM)
+    prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    a, b = plain.add_request(prompt, params), spec.add_request(prompt, params)
+    compared = 0
+    while spec.has_unfinished():
+        spec.step()
+        while plain.has_unfinished() and a.num_tokens < b.num_tokens:
+            plain.step()
+        assert a.token_ids == b.token_ids
+        if not b.finished:
+            assert [plain.kv.pool.blocks[x].ref_cnt for x in a.block_table] == \
+                   [spec.kv.pool.blocks[x].ref_cnt for x in b.block_table]
+            assert (a.num_computed_tokens, plain.kv.num_free_blocks) == (b.num_computed_tokens, spec.kv.num_free_blocks)
+            assert set(plain.kv.pool.cached) == set(spec.kv.pool.cached)
+            compared += 1
+    _check_spoke(spec)
+    assert compared >= 10
+
+
+def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: Path,
+                                                         smollm2_gguf_artifact: Path) -> None:
+    """A 256-token copy-heavy output with n-gram lookup, then the GGUF artifact drafting for the fp32 one."""
+    plain = _engine(smollm2_spec_artifact)
+    prompt = plain.prompts.token_ids({"messages": COPY_PROMPT})
+    long = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    want = _staggered(plain, [prompt], long)
+    ngram = _engine(smollm2_spec_artifact, NGRAM)
+    assert _staggered(ngram, [prompt], long) == want
+    _check_spoke(ngram)
+    draft = _engine(smollm2_spec_artifact, {"method": "draft_model", "num_speculative_tokens": 3,
+                                            "model": str(smollm2_gguf_artifact)})
+    prompts = [prompt, prompt[:20]]
+    assert _staggered(draft, prompts, GREEDY) == _staggered(plain, prompts, GREEDY)
+    assert draft.speculator.stats.num_accepted_tokens > draft.speculator.stats.num_drafts  # > 1 kept per draft
+
+
+def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact: Path) -> None:
+    """n=2 forks (copy-on-write), a pool small enough to preempt, 16-token prefill chunks and a JSON grammar."""
+    config = {"num_blocks": 24, "max_model_len": 256, "long_prefill_token_threshold": 16}
+    plain, spec = _engine(smollm2_spec_artifact, **config), _engine(smollm2_spec_artifact, NGRAM, **config)
+    prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
+    two = SamplingParams(n=2, max_tokens=64, temperature=0, ignore_eos=True)
+    json_params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {"type": "object"}})
+    outs = {}
+    for name, engine in (("plain", plain), ("spec", spec)):
+        for p, params in ((prompt, two), (prompt[:-5], two), (prompt[:30], json_params)):
+            engine.add_request(p, params)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [c.token_ids for c in out.outputs]
+        outs[name] = sorted(done.values())
+        assert len(outs[name]) == 3 and all(len(c) == 2 for c in outs[name][:2])
+        assert engine.scheduler.num_preemptions, "the pool was large enough: preemption untested"
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks - 1
+    assert outs["spec"] == outs["plain"]
+    _check_spoke(spec)
+
+
+def test_bad_configs_name_their_key(smollm2_spec_artifact: Path, tiny_artifact: Path) -> None:
+    with pytest.raises(ConfigError, match="method"):
+        EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_speculative_tokens = 40"):
+        _engine(smollm2_spec_artifact, {"method": "ngram", "num_speculative_tokens": 40})
+    with pytest.raises(ConfigError, match="speculative_config.model.*vocabulary"):
+        _engine(smollm2_spec_artifact, {"method": "draft_model", "num_speculative_tokens": 2,
+                                        "model": str(tiny_artifact)})
