@@ -9,6 +9,17 @@ from typing import Any
 
 from .exporter.export import family_summary
 from .artifact.manifest import MANIFEST, Manifest, file_sha256
+from .graphs.contract import PREFILL
+
+
+def speculation(manifest: Manifest) -> dict[str, Any]:
+    """The gears speculative decoding verifies in (runtime/spec): the small prefill gears of
+    export.buckets.verify_tokens, and the most drafts one sequence can send (K+1 logits rows in one gear)."""
+    prefill = manifest.families[PREFILL].gears
+    small = sorted(manifest.export_config.get("export", {}).get("buckets", {}).get("verify_tokens") or [])
+    return {"verify_tokens": small, "gears": len([g for g in prefill if g.tokens in small]),
+            "max_num_speculative_tokens": max(g.seqs for g in prefill) - 1,
+            "k_at_b1_in_smallest_gear": min(g.tokens for g in prefill) - 1}
 
 
 def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
@@ -34,6 +45,7 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
         "families": {name: {"graph": spec.graph, "gears": len(spec.gears), "summary": family_summary(name, spec.gears),
                             "gear_list": [[g.tokens, g.seqs, g.blocks] for g in spec.gears]}
                      for name, spec in manifest.families.items()},
+        "speculation": speculation(manifest),
         "tensor_parallel": {"size": manifest.tensor_parallel_size, "ranks": [
             {**asdict(rank), "bytes": sum(f["bytes"] or 0 for rel, f in files.items()
                                           if rel.startswith(rank.folder + "/"))} for rank in manifest.ranks]},
@@ -60,6 +72,11 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
         lines.append(f"buckets       {family['summary']} ({where})")
         if gears:
             lines += [f"                {name} T={t} B={b} M={mb}" for t, b, mb in family["gear_list"]]
+    spec = record["speculation"]
+    small = ", ".join(f"T={t}" for t in spec["verify_tokens"]) or "none (export.buckets.verify_tokens)"
+    lines.append(f"speculation   verification gears {small}; num_speculative_tokens at most "
+                 f"{spec['max_num_speculative_tokens']} (K+1 logits rows), {spec['k_at_b1_in_smallest_gear']} at B=1 "
+                 f"in the smallest prefill gear")
     if tp["size"] > 1:
         lines.append(f"tensor        parallel over {tp['size']} ranks (graphs and weights per rank; embedding, LM head "
                      "and norms replicated)")

@@ -333,6 +333,7 @@ class LLMEngine:
             self.kv.cache_blocks(seq, seq.num_tokens)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
+            self.speculator.emitted(seq, token)
             self._append(seq, token)
             if seq.finished:
                 return

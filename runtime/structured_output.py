@@ -196,6 +196,17 @@ class StructuredOutputs:
             for k, j in enumerate(mine):
                 np.add(rows[j], flat[k], out=rows[j])
 
+    def valid_prefix(self, seq: "Sequence", tokens: list[int]) -> int:
+        """How many of `tokens` the grammar would take in turn from here (speculative drafts; nothing consumed)."""
+        state = self.state(seq)
+        return 0 if state.error is not None or state.complete else state.matcher.validate_tokens(tokens)
+
+    def rollback(self, seq: "Sequence", count: int) -> None:
+        """Undo the last `count` accepted tokens (speculative verification looks ahead, then replays)."""
+        state = self.state(seq)
+        state.matcher.rollback(count)
+        state.complete = state.matcher.is_stopped()
+
     def accepted(self, seq: "Sequence", token: int) -> None:
         state = self.state(seq)
         if state.error is None and not state.matcher.consume_token(token):

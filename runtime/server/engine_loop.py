@@ -44,6 +44,7 @@ class EngineSnapshot:
     bucket_hits: dict[str, int] = field(default_factory=dict)
     processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
     kv_bytes_per_block: int = 0  # K and V of every layer for one block, in the pools' dtype
+    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.to_dict(); None: no speculative decoding
 
 
 class RequestHandle:
@@ -185,7 +186,8 @@ class EngineLoop:
                               stats.steps, stats.graph_s, stats.host_s, stats.tokens_computed, stats.tokens_real,
                               stats.generated, scheduler.num_preemptions, cache.queries, cache.hits,
                               dict(stats.bucket_hits), dict(engine.sampler.seconds),
-                              engine.pools.bytes_per_block)
+                              engine.pools.bytes_per_block,
+                              engine.speculator.stats.to_dict() if engine.speculator is not None else None)
 
     def _run(self) -> None:
         engine, commands = self.engine, self._commands

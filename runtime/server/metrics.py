@@ -159,6 +159,20 @@ class _StateCollector:
         for reason in ("stop", "length", "abort"):
             success.add_metric([*values, reason], counters.finished.get(reason, 0))
         yield success
+        spec = snap.spec_decode
+        if spec is None:
+            return
+        yield one(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                  spec["num_drafts"])
+        yield one(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                  spec["num_draft_tokens"])
+        yield one(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                  spec["num_accepted_tokens"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*keys, "position"])
+        for pos, count in enumerate(spec["accepted_per_pos"]):
+            per_pos.add_metric([*values, str(pos)], count)
+        yield per_pos
 
 
 class Metrics:

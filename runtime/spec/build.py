@@ -10,6 +10,7 @@ from .config import SpeculativeConfig
 from .draft import DraftProposer
 from .ngram import NgramProposer
 from ..sampler import Sampler
+from ..structured_output import StructuredOutputs
 from ..tokenizer import Tokenizer
 from .proposer import Proposer
 from .speculator import Speculator
@@ -23,6 +24,7 @@ class Target(Protocol):
     max_logits_rows: int
     model: Any  # graphs.config.ModelConfig
     sampler: Sampler
+    structured: StructuredOutputs  # one of the sampler's processors: grammar masks
     tokenizer: Tokenizer
 
 
@@ -63,5 +65,7 @@ def speculator_for(config: Any, engine: Target) -> Speculator | None:
     check_query_buckets(spec, engine.max_logits_rows, engine.artifact)
     proposer: Any = (NgramProposer(*spec.lookup_range, engine.max_model_len) if spec.method == "ngram"
                      else _draft(spec, config, engine))
+    grammars = engine.structured
+    others = [p for p in engine.sampler.processors if p is not grammars]
     return Speculator(spec, proposer, engine.max_model_len, engine.model.vocab_size,
-                      lambda seq: not engine.sampler.wants(seq))
+                      lambda seq: not any(p.wants(seq) for p in others), grammars)

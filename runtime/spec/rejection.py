@@ -52,23 +52,42 @@ def accept_greedy(rows: np.ndarray, drafts: list[int]) -> list[int]:
     return out
 
 
+def accept_one(row: np.ndarray, draft: int, q: np.ndarray | None, params: SamplingParams,
+               rng: np.random.Generator | None, scratch: np.ndarray) -> tuple[int, bool]:
+    """One position: the token it emits, and whether that is the draft (verification goes on only then).
+    `q` is the proposer's distribution at this position, None for a certain proposal; `rng` None: greedy."""
+    if rng is None or params.greedy:
+        best = int(np.argmax(row))
+        return best, best == draft
+    p = target_probs(row, params, scratch)
+    q_draft = 1.0 if q is None else float(q[draft])
+    if q_draft > 0 and rng.random() * q_draft < p[draft]:
+        return draft, True
+    if q is None:
+        p[draft] = 0.0
+    else:
+        np.subtract(p, q, out=p)
+        np.maximum(p, 0.0, out=p)
+    return (_draw(p, rng) if p.any() else draft), False  # an all-zero residual: p == q, the draft stands
+
+
+def sample_last(row: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
+                scratch: np.ndarray) -> int:
+    """The token after the last kept draft, from the target alone."""
+    if rng is None or params.greedy:
+        return int(np.argmax(row))
+    return _draw(target_probs(row, params, scratch), rng)
+
+
 def accept_sampled(rows: np.ndarray, drafts: list[int], q: np.ndarray | None, params: SamplingParams,
                    rng: np.random.Generator, scratch: np.ndarray) -> list[int]:
     """Rejection sampling over `rows` ([len(drafts) + 1, vocab] logits); `q` [len(drafts), vocab] or None
     (certain proposals); `scratch` float64 [vocab]."""
     out = []
     for j, draft in enumerate(drafts):
-        p = target_probs(rows[j], params, scratch)
-        q_draft = 1.0 if q is None else float(q[j, draft])
-        if q_draft > 0 and rng.random() * q_draft < p[draft]:
-            out.append(draft)
-            continue
-        if q is None:
-            p[draft] = 0.0
-        else:
-            np.subtract(p, q[j], out=p)
-            np.maximum(p, 0.0, out=p)
-        out.append(_draw(p, rng) if p.any() else draft)  # an all-zero residual: p == q, keep the draft
-        return out
-    out.append(_draw(target_probs(rows[len(drafts)], params, scratch), rng))
+        token, kept = accept_one(rows[j], draft, None if q is None else q[j], params, rng, scratch)
+        out.append(token)
+        if not kept:
+            return out
+    out.append(sample_last(rows[len(drafts)], params, rng, scratch))
     return out

@@ -21,9 +21,10 @@ import numpy as np
 
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
+from ..structured_output import StructuredOutputs
 from .config import SpeculativeConfig
 from .proposer import Proposer
-from .rejection import accept_greedy, accept_sampled
+from .rejection import accept_greedy, accept_one, accept_sampled, sample_last
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MISSES = 2  # verifications in a row that kept nothing before a sequence pauses
@@ -74,20 +75,23 @@ class _Pace:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, vocab_size: int,
-                 eligible: Callable[[Sequence], bool]) -> None:
-        """`eligible`: a sequence whose rows need no logits processor (penalties, grammar masks), which
-        verification would have to replay per position."""
+                 eligible: Callable[[Sequence], bool], grammars: StructuredOutputs | None = None) -> None:
+        """`eligible`: a sequence whose rows need no logits processor but `grammars` (penalties would have to be
+        replayed per position). A constrained sequence's drafts are cut to what its grammar allows, and each
+        verified position is masked by the grammar after the tokens kept before it."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.eligible = eligible
+        self.grammars = grammars
         self.batch_limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._pace: dict[Sequence, _Pace] = {}
         self._proposed: list[Sequence] = []
         self._scratch = np.empty(vocab_size, np.float64)
         self._rows = np.empty((self.k + 1, vocab_size), np.float32)
+        self._masked = np.empty((1, vocab_size), np.float32)  # one constrained position's row, masked
 
     def rows(self, logits: np.ndarray, picks: list[int]) -> np.ndarray:
         """The logits rows of one verification, gathered into a buffer made once."""
@@ -114,6 +118,8 @@ class Speculator:
         seqs = [s for s in running if s.num_uncomputed == 1 and self.eligible(s)]
         lengths = [self._length(s) for s in seqs]
         for seq, draft in zip(seqs, self.proposer.propose(seqs, lengths)):
+            if draft and self._constrained(seq):
+                del draft[self.grammars.valid_prefix(seq, draft):]  # type: ignore[union-attr]
             if draft:
                 seq.set_drafts(draft)
                 self._proposed.append(seq)
@@ -130,7 +136,9 @@ class Speculator:
         drafts = seq.draft_token_ids
         seq.drop_drafts()
         params = seq.params
-        if params.greedy:
+        if self._constrained(seq):
+            tokens = self._verify_constrained(seq, rows, drafts)
+        elif params.greedy:
             tokens = accept_greedy(rows, drafts)
         else:
             assert seq.rng is not None
@@ -144,6 +152,37 @@ class Speculator:
             stats.accepted_per_pos[pos] += 1
         self._adapt(self._pace[seq], kept)
         return tokens
+
+    def _constrained(self, seq: Sequence) -> bool:
+        return self.grammars is not None and self.grammars.wants(seq)
+
+    def _verify_constrained(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> list[int]:
+        """Position by position: mask the row by the grammar, choose, advance the grammar by the token emitted."""
+        grammars = self.grammars
+        assert grammars is not None
+        q = None if seq.params.greedy else self.proposer.draft_probs(seq)
+        out = []
+        for j in range(len(drafts) + 1):
+            row = self._masked
+            np.copyto(row[0], rows[j])
+            grammars.apply(row, [seq])
+            if j < len(drafts):
+                token, kept = accept_one(row[0], drafts[j], None if q is None else q[j], seq.params, seq.rng,
+                                         self._scratch)
+            else:
+                token, kept = sample_last(row[0], seq.params, seq.rng, self._scratch), False
+            grammars.accepted(seq, token)
+            out.append(token)
+            state = grammars.state(seq)
+            if not kept or state.complete or state.error is not None:
+                break
+        grammars.rollback(seq, len(out))  # `emitted` advances it again, token by token, as the engine appends
+        return out
+
+    def emitted(self, seq: Sequence, token: int) -> None:
+        """`token` of the last verification is being appended to `seq` (the sampler's `accepted`, in order)."""
+        if self._constrained(seq):
+            self.grammars.accepted(seq, token)  # type: ignore[union-attr]
 
     def _adapt(self, pace: _Pace, kept: int) -> None:
         pace.k = min(self.k, kept + 1)

@@ -2,6 +2,7 @@
 export ladder gains the small verification gears."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pagedgraph.cli import _speculative_json
 from pagedgraph.exporter.buckets import plan_gears
 from pagedgraph.exporter.config import ExportOptions
 from pagedgraph.graphs.contract import PREFILL
+from pagedgraph.inspect import speculation
 from pagedgraph.runtime.deploy_config import engine_config, load_deployment
 from pagedgraph.runtime.engine import EngineConfig
 from pagedgraph.runtime.spec.config import SpeculativeConfig
@@ -63,3 +65,10 @@ def test_verify_tokens_join_the_prefill_ladder() -> None:
     assert sorted({(g.tokens, g.seqs) for g in gears}) == [(8, 8), (16, 16), (32, 16), (64, 16), (256, 16)]
     with pytest.raises(ValueError, match="verify_tokens must be"):
         ExportOptions.model_validate({"buckets": {"verify_tokens": [16, 8]}})
+
+
+def test_inspect_shows_the_speculation_gears() -> None:
+    manifest = replace(_manifest(), export_config={"export": {"buckets": {"verify_tokens": [8, 16]}}})
+    record = speculation(manifest)
+    assert record["verify_tokens"] == [8, 16] and record["max_num_speculative_tokens"] == 15
+    assert record["k_at_b1_in_smallest_gear"] == 63  # the manifest's smallest prefill gear is T=64

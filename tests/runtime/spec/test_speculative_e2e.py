@@ -18,6 +18,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 COPY_PROMPT = [{"role": "user", "content": "Repeat this list exactly, twice: alpha beta gamma delta epsilon zeta "
                                            "eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau."}]
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+JSON_PROMPT = [{"role": "user", "content": 'Return this JSON unchanged: {"name": "alpha", "items": ["beta", "gamma", '
+                                           '"delta"], "owner": "alpha"}'}]
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +103,17 @@ def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: P
 
 
 def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact: Path) -> None:
-    """n=2 forks (copy-on-write), a pool small enough to preempt, 16-token prefill chunks and a JSON grammar."""
+    """n=2 forks (copy-on-write), a pool small enough to preempt, 16-token prefill chunks and a JSON grammar (its
+    drafts cut to what the grammar allows, each verified position masked)."""
     config = {"num_blocks": 24, "max_model_len": 256, "long_prefill_token_threshold": 16}
     plain, spec = _engine(smollm2_spec_artifact, **config), _engine(smollm2_spec_artifact, NGRAM, **config)
     prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
     two = SamplingParams(n=2, max_tokens=64, temperature=0, ignore_eos=True)
     json_params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {"type": "object"}})
+    json_prompt = spec.prompts.token_ids({"messages": JSON_PROMPT})
     outs = {}
     for name, engine in (("plain", plain), ("spec", spec)):
-        for p, params in ((prompt, two), (prompt[:-5], two), (prompt[:30], json_params)):
+        for p, params in ((prompt, two), (prompt[:-5], two), (json_prompt, json_params)):
             engine.add_request(p, params)
         done = {}
         while engine.has_unfinished():
