@@ -14,9 +14,9 @@ def _state(kv: KVCacheManager, seqs: list[Sequence]) -> tuple:
     return kv.num_free_blocks, set(kv.pool.cached), refs, [s.num_computed_tokens for s in seqs]
 
 
-def _run(drafts: bool) -> tuple:
-    """Two forks of a 30-token prompt decode 40 tokens each; with `drafts`, each step also feeds 5 drafts of
-    which the target keeps a varying number (0-3), and the bonus token is the plain run's next token."""
+def _speculate() -> tuple:
+    """Two forks of a 30-token prompt decode 40 steps each; each step feeds 5 drafts of which the target keeps
+    a varying number (0-3), then one token of its own."""
     kv = KVCacheManager(64, BS)
     params = SamplingParams(temperature=0)
     parent = Sequence("r", list(range(100, 130)), params, 0.0)
@@ -29,29 +29,25 @@ def _run(drafts: bool) -> tuple:
     stream = iter(range(1000, 1000 + 400))
     for step in range(40):
         for seq in (parent, child):
-            kept = [next(stream) for _ in range(step % 4)] if drafts else []
+            kept = [next(stream) for _ in range(step % 4)]
             start = seq.num_computed_tokens
-            if drafts:
-                seq.set_drafts(kept + [1, 2, 3, 4, 5][:5 - len(kept)])
+            seq.set_drafts(kept + [1, 2, 3, 4, 5][:5 - len(kept)])
             copies = kv.allocate_slots(seq, seq.num_uncomputed)
             assert copies is not None
             kv.cache_blocks(seq, start + seq.num_uncomputed)
-            if drafts:
-                seq.drop_drafts()
-                kv.rollback(seq, start + 1 + len(kept))
-                for token in kept:  # as the engine appends them
-                    kv.cache_blocks(seq, seq.num_tokens)
-                    seq.token_ids.append(token)
+            seq.drop_drafts()
+            kv.rollback(seq, start + 1 + len(kept))
+            for token in kept:  # as the engine appends them
                 kv.cache_blocks(seq, seq.num_tokens)
-            else:
-                seq.num_computed_tokens += 1
+                seq.token_ids.append(token)
+            kv.cache_blocks(seq, seq.num_tokens)
             seq.token_ids.append(next(stream))
     return kv, parent, child
 
 
 def test_rollback_matches_a_run_without_drafts() -> None:
     """Both runs see the same token streams: the speculative one takes several per step."""
-    spec_kv, *spec = _run(True)
+    spec_kv, *spec = _speculate()
     plain_kv, *plain = _replay([s.token_ids for s in spec])
     assert _state(spec_kv, spec) == _state(plain_kv, plain)
     for kv, seqs in ((spec_kv, spec), (plain_kv, plain)):

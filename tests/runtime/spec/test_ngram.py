@@ -1,0 +1,33 @@
+"""N-gram prompt lookup: the longest recurring suffix (prompt_lookup_max down to prompt_lookup_min), its latest
+earlier occurrence, and the tokens that followed it."""
+from __future__ import annotations
+
+import numpy as np
+
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.spec.ngram import NgramProposer, lookup
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_match() -> None:
+    tokens = np.array([1, 2, 3, 10, 11, 9, 3, 20, 21, 1, 2, 3])
+    assert lookup(tokens, 1, 3, 2).tolist() == [10, 11]  # [1 2 3] recurs at 0; [3] alone would give 20 21
+    assert lookup(tokens, 1, 1, 2).tolist() == [20, 21]  # only one-token suffixes: the latest 3
+    assert lookup(tokens, 4, 5, 2).tolist() == []  # no suffix of 4 recurs
+
+
+def test_proposals_stop_at_the_end_and_need_a_match() -> None:
+    assert lookup(np.array([5, 6, 7, 5]), 1, 2, 4).tolist() == [6, 7, 5]
+    assert lookup(np.array([1, 2, 3]), 1, 2, 4).tolist() == []
+    assert lookup(np.array([4, 4]), 1, 2, 0).tolist() == []
+
+
+def test_the_proposer_reads_only_verified_tokens() -> None:
+    seq = Sequence("r", [1, 2, 3, 4, 1, 2], SamplingParams(temperature=0), 0.0)
+    proposer = NgramProposer(1, 3, 64)
+    assert proposer.propose([seq], [2]) == [[3, 4]]
+    seq.set_drafts([3, 4])  # drafts in flight are not part of the sequence's own tokens
+    assert proposer.propose([seq], [3]) == [[3, 4, 1]]
+    seq.drop_drafts()
+    seq.token_ids.append(3)
+    assert proposer.propose([seq], [2]) == [[4, 1]]
