@@ -599,35 +599,32 @@ struct Item {
   int64_t parts;
 };
 
-constexpr int64_t kSplitItems = 8;  // a step with fewer items splits its decode rows' keys, to this many
-constexpr int64_t kSplitKeys = 64;  // keys per part, at least
+constexpr int64_t kMaxParts = 8;     // a decode row's keys are split into at most this many parts
+constexpr int64_t kSplitKeys = 256;  // keys per part, at least
 
 // Every sequence's query rows cut into tiles of one sequence each. A prefill tile is one item per kv
 // head (parallel work for long prompts); a decode row is one item over all kv heads, so each key and
-// value row is read whole and once, in order (decode is bound by moving the context). A step with
-// few items (single-stream decode) splits each decode row's keys into parts the pool runs at once;
-// the parts' softmax states are merged afterwards (merge_parts); `split_parts` counts them.
+// value row is read whole and once, in order (decode is bound by moving the context). A decode row's
+// keys are split into parts the pool runs at once (single-stream decode has one row), their softmax
+// states merged afterwards (merge_parts); `split_parts` counts them.
+// Batch invariance (docs/performance.md, "Batch invariance"): how a row is computed depends on that row alone,
+// never on the other rows of the step. The parts of a decode row follow from its own context length, and every
+// row of a sequence with several queries is a tile row (attend_tile), a tile of one row included, so a prompt
+// row gives the same result in any chunking and any tile; only a sequence with one query is a decode row.
 template <class RowsOf>
 const std::vector<Item> &items_of(const int32_t *cu, int64_t batch, int64_t kv_heads, RowsOf rows_of,
                                   int64_t &split_parts) {
   thread_local std::vector<Item> items;
   items.clear();
-  int64_t unsplit = 0, decode_rows = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = cu[b + 1] - cu[b];
-    decode_rows += q_len == 1;
-    unsplit += q_len == 1 ? 1 : (q_len + kTileRows - 1) / kTileRows * kv_heads;
-  }
-  const int64_t parts_wanted = unsplit < kSplitItems ? (kSplitItems + decode_rows - 1) / std::max<int64_t>(decode_rows, 1) : 1;
   int64_t next_part = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t r = cu[b]; r < cu[b + 1]; r += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, cu[b + 1] - r), keys = rows_of(b, r).second + rows;
-      if (rows > 1) {
+      if (cu[b + 1] - cu[b] > 1) {
         for (int64_t k = 0; k < kv_heads; ++k) items.push_back({b, r, rows, k, 0, keys, -1, 1});
         continue;
       }
-      const int64_t parts = std::max<int64_t>(1, std::min(parts_wanted, keys / kSplitKeys));
+      const int64_t parts = std::max<int64_t>(1, std::min(kMaxParts, keys / kSplitKeys));
       for (int64_t p = 0; p < parts; ++p)
         items.push_back({b, r, 1, 0, keys * p / parts, keys * (p + 1) / parts, parts > 1 ? next_part + p : -1, parts});
       next_part += parts > 1 ? parts : 0;
@@ -690,7 +687,7 @@ void for_each_item(const float *query, float *out, const int32_t *cu, int64_t ba
   pg::parallel_for(runner, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item &item = items[i];
     const auto [rows, first_limit] = rows_of(item.seq, item.first_row);
-    if (item.rows == 1) {
+    if (cu[item.seq + 1] - cu[item.seq] == 1) {
       float *partial = item.part < 0 ? nullptr : partial_base + item.part * dims.head_num * (dims.head_dim + 2);
       const int64_t row = item.first_row * q_width;
       attend_row(query + row, out + row, rows, dims, item.key_begin, item.key_end, partial, k_scale);

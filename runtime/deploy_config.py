@@ -65,6 +65,10 @@ class SchedulerSection(Settings):
         None, ge=16, description="cap on one prompt's chunk per step, a multiple of block_size (shorter decode stalls)")
     enable_chunked_prefill: bool = Field(
         True, description="false: each prompt runs whole in one step (needs max_num_batched_tokens >= max_model_len)")
+    batch_invariant: bool = Field(
+        True, description="greedy output independent of the batch, chunking and prefix hits (no one-token prompt "
+                          "chunks, no one-row steps); false: a little faster single-stream decode "
+                          "(docs/performance.md, 'Batch invariance')")
 
 
 class SamplingDefaults(Settings):
@@ -249,6 +253,7 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,
                         long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
                         enable_chunked_prefill=scheduler.enable_chunked_prefill, gears=gears,
+                        batch_invariant=scheduler.batch_invariant,
                         enable_prefix_caching=kv.enable_prefix_caching, prefix_cache_salt=kv.prefix_cache_salt,
                         executor=executor.name, threads=executor.threads, custom_ops=executor.custom_ops,
                         kv_cache_dtype=kv.dtype, speculative_config=deployment.speculative_config)

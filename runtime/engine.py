@@ -44,6 +44,8 @@ class EngineConfig:
     prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
     long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
     enable_chunked_prefill: bool = True  # false: every prompt in one step (needs max_num_batched_tokens >= max_model_len)
+    # Greedy output independent of what else runs (Scheduler and Packer; docs/performance.md, "Batch invariance").
+    batch_invariant: bool = True
     executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
     # ONNX Runtime only: the fused ops as pagedgraph's C++ custom ops; "auto" falls back (one warning) when they
     # cannot be built, "on" raises instead, "off" runs their ONNX function bodies. MindSpore ignores it: its
@@ -73,6 +75,9 @@ class RuntimeInfo:
     kv_cache_dtype: str
     quantization: str | None  # None: unquantized weights
     weight_formats: dict[str, int] = field(default_factory=dict)  # checkpoint tensors per stored form (manifest)
+    # Why greedy output may depend on the batch, chunking or prefix hits; None: it does not (docs/performance.md,
+    # "Batch invariance": the fused ops' C++ kernels and scheduler.batch_invariant together make it so).
+    batch_variance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +158,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.artifact)
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
-        self.packer = Packer(self.manifest)
+        self.packer = Packer(self.manifest, config.batch_invariant)
         self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
         # The most logits rows one step returns: the widest prefill gear's B (prompt logprobs need a row per token).
         self.max_logits_rows = max(g.seqs for g in self.packer.gears[PREFILL])
@@ -172,12 +177,13 @@ class LLMEngine:
                                  f"kv_cache_dtype={self.kv_cache_dtype};".encode() + config.prefix_cache_salt.encode())
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
-                                   self.max_logits_rows)
+                                   self.max_logits_rows, config.batch_invariant)
         self.executor = make_executor(config.executor, self.artifact, self.manifest, self.pools, config.threads,
                                       config.custom_ops)
         self.stats = EngineStats(cache=self.kv.stats)
         self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
         self.custom_ops_setting = config.custom_ops
+        self.batch_invariant = config.batch_invariant
         self.executor_name = config.executor
         self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.model.vocab_size))
         self.sampler.add(self.structured)
@@ -446,7 +452,23 @@ class LLMEngine:
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
                            kv_cache_dtype=self.kv_cache_dtype,
                            quantization=None if self.manifest.quantization == "none" else self.manifest.quantization,
-                           weight_formats=dict(self.manifest.weight_formats))
+                           weight_formats=dict(self.manifest.weight_formats), batch_variance=self._batch_variance())
+
+    def _batch_variance(self) -> str | None:
+        if not self.batch_invariant:
+            return "scheduler.batch_invariant is false"
+        if self.speculator is not None:
+            return ("speculative decoding verifies drafts as prompt rows, which reduce another way than decode rows, "
+                    "and drafts follow the batch (disable_by_batch_size)")
+        if self.executor_name != "onnxruntime":
+            return f"not checked on the {self.executor_name} executor"
+        if self.executor.custom_ops is False:
+            return ("the fused ops run as their ONNX function bodies (custom ops off or unbuilt), whose attention "
+                    "reductions follow the batch")
+        odd = self.packer.odd_widest_gears()
+        if odd:
+            return f"the widest gears {odd} have an odd T or B: MatMulNBits computes a lone last row another way"
+        return None
 
 
 class LLM:

@@ -18,8 +18,12 @@ class NoGearError(RuntimeError):
 class Packer:
     """Bucket selection and input packing; padding rows point at the null block."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, batch_invariant: bool = False) -> None:
+        """`batch_invariant`: every step runs a gear of even T and B where one fits. ONNX Runtime's MatMulNBits
+        (the block-quantized linears) computes rows in pairs and a lone last row another way (docs/performance.md,
+        "Batch invariance"), so a single decode pads to two rows and gets the logits it gets inside a batch."""
         self.block_size = manifest.block_size
+        self.batch_invariant = batch_invariant
         self.gears = {name: sorted(f.gears) for name, f in manifest.families.items()}
         self.buffers: dict[Gear, dict[str, np.ndarray]] = {}
         self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
@@ -31,11 +35,18 @@ class Packer:
         blocks = max(len(s.block_table) for s in batch.seqs)
         gears = self.gears[family]
         start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
-        for gear in gears[start:]:
-            if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks:
-                return family, gear
+        for even in (self.batch_invariant, False):  # where no even gear fits, an odd one still serves
+            for gear in gears[start:]:
+                if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
+                        not even or gear.tokens % 2 == gear.seqs % 2 == 0):
+                    return family, gear
         raise NoGearError(f"no {family} gear holds T={tokens}, B={seqs}, M={blocks}; "
                           f"the scheduler limits must stay within the exported ladders")
+
+    def odd_widest_gears(self) -> list[Gear]:
+        """The widest gear of each family where its T or B is odd: steps that need it break batch invariance."""
+        widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
+        return [g for g in widest if g.tokens % 2 or g.seqs % 2]
 
     def _buffers(self, gear: Gear) -> dict[str, np.ndarray]:
         buffers = self.buffers.get(gear)

@@ -48,13 +48,16 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int | None = None, enable_chunked_prefill: bool = True,
-                 max_logits_rows: int | None = None) -> None:
+                 max_logits_rows: int | None = None, batch_invariant: bool = False) -> None:
         """`long_prefill_token_threshold` caps one sequence's chunk per step (a multiple of block_size):
         smaller chunks keep the steps that carry a long prompt short for the decodes beside it.
         `enable_chunked_prefill=False` feeds every prompt whole in one step (the caller keeps each
         sequence within `max_num_batched_tokens`), as engines without chunked prefill do.
         `max_logits_rows` (default `max_num_seqs`) is the most logits rows one step's graph returns:
-        it caps the chunks of sequences that want prompt logprobs, which need a row per token."""
+        it caps the chunks of sequences that want prompt logprobs, which need a row per token.
+        `batch_invariant`: no prompt chunk of a single token (a chunk boundary or a prefix hit leaving one): the
+        attention kernels compute a one-query step as a decode row and every row of a longer chunk as a prompt
+        row, two different reductions (docs/performance.md, "Batch invariance")."""
         if not enable_chunked_prefill and long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs chunked prefill: set enable_chunked_prefill "
                              "to true, or drop long_prefill_token_threshold")
@@ -68,6 +71,7 @@ class Scheduler:
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
         self.max_logits_rows = max_logits_rows or max_num_seqs
+        self.batch_invariant = batch_invariant
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival: priority order, the last is preempted first
         self.num_preemptions = 0  # cumulative, for metrics
@@ -122,7 +126,10 @@ class Scheduler:
         if not self.chunked_prefill:
             return 0
         aligned = budget - budget % self.kv.block_size
-        return budget if wants_rows and not aligned else aligned
+        n = budget if wants_rows and not aligned else aligned
+        if self.batch_invariant and remaining - n == 1:  # never leave the prompt's last token alone
+            n = n - self.kv.block_size if n > self.kv.block_size else n - 1
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -169,6 +176,8 @@ class Scheduler:
             seq = self.waiting[0]
             # Cached blocks would skip the rows whose logits prompt logprobs need (as vLLM does).
             hits = [] if seq.wants_prompt_logprobs else self.kv.computed_blocks(seq)
+            if self.batch_invariant and hits and seq.num_tokens - len(hits) * self.kv.block_size == 1:
+                hits.pop()  # recompute the last hit block with the last token: a chunk of one is a decode row
             n = self._chunk(seq, budget, len(hits) * self.kv.block_size,
                             self.max_logits_rows - len(plan) - extra_rows)
             if n == 0 or (copies := self.kv.allocate_slots(seq, n, hits)) is None:

@@ -18,7 +18,8 @@ TEST_EXPORT = {
     }
 }
 # Fixtures of the real model: their tests are `e2e`.
-REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact", "smollm2_spec_artifact"}
+REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact", "smollm2_spec_artifact",
+              "smollm2_w8a8_artifact"}
 
 
 def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, name: str,
@@ -71,6 +72,25 @@ def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custo
     PAGEDGRAPH_TEST_BF16_ARTIFACT reuses a directory exported with the same settings."""
     config = {"model": {"dtype": "bfloat16"}, "export": _NO_BASELINE}
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_BF16_ARTIFACT", "smollm2-bf16", config)
+
+
+def short_calibration(root: Path) -> dict:
+    """Export settings that calibrate int8 KV scales on one short window of the shipped text (seconds, not 20)."""
+    from pagedgraph.texts import shipped_text
+
+    text = root / "calibration.txt"
+    text.write_text(" ".join(shipped_text("calibration").split()[:300]))
+    return {"kv_cache_calibration": str(text), "kv_cache_calibration_window": 512}
+
+
+@pytest.fixture(scope="session")
+def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model at the shipped deployment's precision (configs/smollm2-w8a8.yaml: w8a8 weights, float32 and
+    int8 KV caches). PAGEDGRAPH_TEST_W8A8_ARTIFACT reuses a directory exported with the same settings."""
+    calibration = short_calibration(tmp_path_factory.mktemp("calibration"))
+    config = {"model": {"quantization": "w8a8"},
+              "export": {**_NO_BASELINE, "kv_cache_dtypes": ["float32", "int8"], **calibration}}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_W8A8_ARTIFACT", "smollm2-w8a8", config)
 
 
 @pytest.fixture(scope="session")

@@ -252,3 +252,29 @@ def test_chunk_cap_needs_chunked_prefill() -> None:
 def test_long_prefill_token_threshold_must_be_block_aligned() -> None:
     with pytest.raises(ValueError, match="long_prefill_token_threshold = 10"):
         build(16, budget=64, chunk_cap=10)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batch_invariant_never_feeds_a_prompt_token_alone(batch_invariant: bool) -> None:
+    """A one-token prompt chunk runs as a decode row, which reduces differently (docs/performance.md, "Batch
+    invariance"): batch-invariant scheduling lets neither a chunk boundary nor a prefix hit leave one."""
+    kv = KVCacheManager(64, BS, True)
+    sched = Scheduler(kv, 16, 8, batch_invariant=batch_invariant)
+    prompt = list(range(500, 509))  # 9 tokens: chunks of 8 would leave the ninth alone
+    first = make_seq(prompt, "first", arrival=0)
+    sched.add(first)
+    chunks = []
+    while not first.output_token_ids:
+        batch = sched.schedule()
+        assert batch is not None
+        chunks.append(batch.num_tokens[0])
+        run_step(sched, batch)
+    sched.finish(first)
+    again = make_seq(prompt, "again", arrival=1)  # two of its blocks are cached: a hit of 8 leaves one token
+    sched.add(again)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [again]
+    if batch_invariant:
+        assert chunks == [4, 5] and again.num_computed_tokens == 4 and batch.num_tokens == [5]
+    else:
+        assert chunks == [8, 1] and again.num_computed_tokens == 8 and batch.num_tokens == [1]

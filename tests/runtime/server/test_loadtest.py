@@ -1,4 +1,5 @@
-"""scripts/loadtest.py in a reduced size: concurrent, cancelled and streamed requests lose and leak nothing."""
+"""scripts/loadtest.py in a reduced size: concurrent, cancelled and streamed requests lose and leak nothing, and
+greedy ones return their solo text, at fp32 and at the shipped deployment's precision."""
 from __future__ import annotations
 
 import json
@@ -6,13 +7,33 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 from tests.paths import REPO
 
+SHIPPED = REPO / "configs" / "deploy-smollm2.yaml"
 
 
-def test_the_load_script_finds_no_errors_mismatches_or_leaks(smollm2_artifact: Path, tmp_path: Path) -> None:
+def _shipped_precision() -> tuple[str, str]:
+    """The shipped deployment's weight quantization (from its export config) and KV-cache dtype."""
+    deployment = yaml.safe_load(SHIPPED.read_text())
+    export = yaml.safe_load((SHIPPED.parent / deployment["model"]["export_config"]).read_text())
+    return export["model"]["quantization"], deployment["kv_cache"]["dtype"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "shipped"])
+def test_the_load_script_finds_no_errors_mismatches_or_leaks(precision: str, tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    if precision == "fp32":
+        artifact, kv_cache_dtype, expected = request.getfixturevalue("smollm2_artifact"), "float32", "float32 weights"
+    else:
+        quantization, kv_cache_dtype = _shipped_precision()
+        assert quantization == "w8a8", "tests/conftest.py's smollm2_w8a8_artifact must follow the shipped export"
+        artifact, expected = request.getfixturevalue("smollm2_w8a8_artifact"), f"{quantization} weights"
     config = tmp_path / "deploy.yaml"
-    config.write_text(f"model: {{artifact: {smollm2_artifact}, name: smol}}\nkv_cache: {{num_blocks: 128}}\n"
+    config.write_text(f"model: {{artifact: {artifact}, name: smol}}\n"
+                      f"kv_cache: {{num_blocks: 128, dtype: {kv_cache_dtype}}}\n"
                       "scheduler: {max_model_len: 512}\nexecutor: {threads: 2}\nserver: {api_key: load-key}\n")
     out = tmp_path / "load.json"
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "loadtest.py"), "--config", str(config),
@@ -22,6 +43,8 @@ def test_the_load_script_finds_no_errors_mismatches_or_leaks(smollm2_artifact: P
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert run.returncode == 0, json.dumps(report, indent=1)
+    assert report["precision"] == f"{expected}, float32 compute, {kv_cache_dtype} KV"
+    assert report["batch_variance"] is None
     assert (report["errors"], report["mismatches"], report["leaked_blocks"], report["exit_code"]) == (0, 0, 0, 0)
     assert report["failed_checks"] == []
     assert report["completed"] + report["cancelled"] == 40 and report["cancelled"] > 0

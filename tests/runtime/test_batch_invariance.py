@@ -1,0 +1,86 @@
+"""Greedy output does not depend on what else runs: every shipped precision and KV-cache dtype, on the real model.
+
+One prompt alone, then inside batches of 2, 7 and 16 other prompts (it comes last, so the step budget chunks it
+at other places), then after part of it and all of it are cached: its tokens and their logprobs are the same
+every time, bit for bit. Logprobs make the check strict: a difference in the last float bit shows here long before
+it flips a greedy token (docs/performance.md, "Batch invariance", found the sources op by op with
+scripts/batch_invariance.py). The prompt is 49 tokens, one past a block boundary, so a full prefix hit leaves one
+token to compute: the scheduler must recompute a block with it (runtime/scheduler.py).
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from pagedgraph.runtime.engine import LLM, RequestOutput
+from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.texts import shipped_text
+from tests.conftest import TEST_EXPORT, short_calibration
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+# Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
+# dtype, w8a16 and w4a16; the others are tests/conftest.py's.
+CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat16"),
+         ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
+         ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
+         ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "w4a16_artifact", "float32"),
+         ("gguf", "smollm2_gguf_artifact", "float32")]
+LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
+
+
+def _export(root: Path, model: dict, export: dict) -> Path:
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export as run_export
+
+    run_export(ExportConfig.model_validate({"model": model, "export": {**LADDERS, **export}}), root / "artifact",
+               log=io.StringIO())
+    return root / "artifact"
+
+
+@pytest.fixture(scope="module")
+def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fp32-kv")
+    return _export(root, {}, {"kv_cache_dtypes": ["float32", "bfloat16", "int8"], **short_calibration(root)})
+
+
+@pytest.fixture(scope="module")
+def w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tmp_path_factory.mktemp("w8a16"), {"quantization": "w8a16"}, {})
+
+
+@pytest.fixture(scope="module")
+def w4a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tmp_path_factory.mktemp("w4a16"), {"quantization": "w4a16"}, {})
+
+
+def _prompts(llm: LLM) -> tuple[list[int], list[list[int]]]:
+    """The prompt under test (49 tokens) and 16 others of 20 to 110 tokens."""
+    ids = llm.engine.tokenizer.encode(shipped_text("heldout"))
+    others = [ids[600 + 130 * i:600 + 130 * i + 20 + (i * 37) % 91] for i in range(16)]
+    return ids[:49], others
+
+
+def _result(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+    assert out.error is None, out.error
+    return out.token_ids, out.logprobs
+
+
+@pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=[f"{p}-{kv}" for p, _, kv in CASES])
+def test_a_prompt_gets_its_solo_tokens_in_any_batch_chunking_and_prefix_hit(
+        precision: str, fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> None:
+    artifact = request.getfixturevalue(fixture)
+    # A small step budget chunks the prompt differently in each batch; threads as CI has them.
+    config = dict(kv_cache_dtype=kv_cache_dtype, num_blocks=256, max_num_batched_tokens=256, threads=2,
+                  custom_ops="on")
+    llm = LLM(artifact, enable_prefix_caching=False, **config)
+    target, others = _prompts(llm)
+    solo = _result(llm.generate([target], GREEDY)[0])
+    for n in (2, 7, 16):
+        assert _result(llm.generate(others[:n] + [target], GREEDY)[-1]) == solo, f"inside a batch of {n} others"
+    cached = LLM(artifact, enable_prefix_caching=True, **config)
+    cached.generate([target[:35]], GREEDY)  # caches the prompt's first two blocks
+    for hit in (32, 32):  # the second run hits three blocks but must recompute the third with the last token
+        out = cached.generate([target], GREEDY)[0]
+        assert _result(out) == solo and out.num_cached_tokens == hit, f"after a prefix hit of {out.num_cached_tokens}"
