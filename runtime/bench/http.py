@@ -4,7 +4,8 @@ The same chats as the in-process workload (runtime/workloads.py), streamed as ch
 EOS ignored, all sent at t=0 (or `concurrency` at a time). The prefix hit rate is read from the answers
 (`usage.prompt_tokens_details.cached_tokens` over `prompt_tokens`), so it means the same for one server
 and for N replicas behind a router, whichever replica each request reached. A request that fails is
-counted as lost, with its error.
+counted as lost, with its error. `alternating_ttft` times one chat at a time against several URLs in turn:
+the router's added latency, against the replica it routes to.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import httpx
 
@@ -108,6 +109,47 @@ def run_url_bench(options: UrlOptions) -> dict[str, Any]:
             "options": {k: v for k, v in asdict(options).items() if k != "api_key"}, **figures,
             "machine": {"cores": len(os.sched_getaffinity(0)), "load_avg_1m_at_start": before,
                         "load_avg_1m_at_end": os.getloadavg()[0]}}
+
+
+async def _alternate(urls: Mapping[str, str], requests: int, prefix_words: int | None, max_tokens: int,
+                     seed: int) -> dict[str, Any]:
+    names = list(urls)
+    words = {} if prefix_words is None else {"prefix_words": prefix_words}
+    items = shared_prefix_workload(len(names) * (requests + 1), max_tokens=max_tokens, seed=seed, **words)
+    clients = {name: httpx.AsyncClient(base_url=url, timeout=600.0) for name, url in urls.items()}
+    try:
+        model = (await clients[names[0]].get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+        for name, item in zip(names, items):  # the system prompt cached, each connection open, before any timing
+            await _chat(clients[name], model, item, max_tokens, Timeline(), 0)
+        timeline, loads = Timeline(), []
+        sent: dict[str, list[int]] = {name: [] for name in names}
+        cached: dict[str, list[int]] = {name: [] for name in names}
+        for pair in range(requests):
+            turn = names[pair % len(names):] + names[:pair % len(names)]  # each URL first as often
+            for name in turn:
+                key = len(names) * (pair + 1) + names.index(name)
+                usage = await _chat(clients[name], model, items[key], max_tokens, timeline, key)
+                sent[name].append(key)
+                cached[name].append(usage["cached"])
+            loads.append(os.getloadavg()[0])
+        ttft = {name: timeline.ttft(keys) for name, keys in sent.items()}
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return {"ttft_s": ttft, "cached_tokens": cached,
+            "ttft_p50_s": {name: percentile(values, 50) for name, values in ttft.items()},
+            "load_avg_1m": {"min": min(loads, default=0.0), "max": max(loads, default=0.0)}}
+
+
+def alternating_ttft(urls: Mapping[str, str], requests: int, prefix_words: int | None = None, max_tokens: int = 32,
+                     seed: int = 0) -> dict[str, Any]:
+    """TTFT of `requests` chats per URL on one system prompt, one chat at a time, the URLs taking turns.
+
+    Each chat is sent once (a repeat would find its whole prompt cached), so every timed request hits the
+    cached system prompt and computes its own question; each round starts at the next URL, so no URL always
+    follows another. Interleaving request by request is what keeps the comparison level on a shared machine.
+    """
+    return asyncio.run(_alternate(urls, requests, prefix_words, max_tokens, seed))
 
 
 def url_table(results: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pagedgraph.runtime.bench.http import UrlOptions, run_url_bench, url_table
+from pagedgraph.runtime.bench.http import UrlOptions, alternating_ttft, run_url_bench, url_table
 from pagedgraph.runtime.workloads import shared_prefix_workload
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
@@ -63,6 +63,14 @@ def test_bench_over_http_counts_cached_tokens_and_loses_nothing(server: ServerTh
     assert (results["completed"], results["lost"]) == (6, 0)
     assert 0 < results["cached_tokens"] < results["prompt_tokens"] and 0 < results["prefix_hit_rate"] < 1
     assert results["ttft_p99_s"] >= results["ttft_p50_s"] > 0 and "prefix hit rate" in url_table(results)
+
+
+def test_alternating_ttft_times_each_chat_once_per_url_in_turn(server: ServerThread) -> None:
+    results = alternating_ttft({"a": server.url, "b": server.url}, 3, prefix_words=120, max_tokens=3, seed=4)
+    assert {name: len(values) for name, values in results["ttft_s"].items()} == {"a": 3, "b": 3}
+    assert all(v > 0 for values in results["ttft_s"].values() for v in values)
+    assert min(results["cached_tokens"]["a"] + results["cached_tokens"]["b"]) > 0  # each hit the system prompt
+    assert results["ttft_p50_s"]["a"] > 0 and results["load_avg_1m"]["max"] >= results["load_avg_1m"]["min"]
 
 
 def test_shared_prefix_draws_among_its_prefixes_and_one_prefix_is_unchanged() -> None:
