@@ -21,8 +21,9 @@ class SpeculativeConfig(Settings):
     prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix tried first")
     model: str | None = Field(None, description="draft_model: the draft's exported artifact directory")
     disable_by_batch_size: int | None = Field(
-        None, ge=1, description="no speculation while more sequences than this run (the step is compute-bound "
-                                "there); default: 4 (runtime/spec/speculator.py)")
+        None, ge=1, description="no speculation while more sequences than this run, every one speculating below "
+                                "it; default: unset, a speculating step holds at most max(8, K+1) tokens "
+                                "(runtime/spec/speculator.py)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeConfig":

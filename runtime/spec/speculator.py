@@ -9,8 +9,11 @@ Speculation is turned down where it does not pay:
 - per sequence: the number proposed follows what the last verification kept (all kept: one more, up to K;
   else what was kept, plus one), and after `MISSES` verifications in a row that kept nothing the sequence
   pauses, for twice as many steps each time;
-- per step: with more than `disable_by_batch_size` sequences running, none speculates (the step is
-  compute-bound there, and every verified draft costs a full token of it).
+- per step, by default: the step's tokens (one per running sequence plus the drafts) stay within
+  STEP_TOKENS (or K+1, if larger), shared out in arrival order, so a verification costs a small gear's step
+  and a large batch, compute-bound already, does not speculate (docs/performance.md, "Speculative decoding":
+  a T=8 step against a decode step); with vLLM's `disable_by_batch_size` set, that rule instead: every
+  sequence speculates up to that many running, none above.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from .config import SpeculativeConfig
 from .proposer import Proposer
 from .rejection import accept_greedy, accept_one, accept_sampled, sample_last
 
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+STEP_TOKENS = 8  # a speculating step's tokens at most, unless disable_by_batch_size is set
 MISSES = 2  # verifications in a row that kept nothing before a sequence pauses
 FIRST_PAUSE = 4  # steps; doubled at each pause of the same sequence, reset when a draft is kept
 
@@ -85,7 +88,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.eligible = eligible
         self.grammars = grammars
-        self.batch_limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.batch_limit = config.disable_by_batch_size
+        self.step_tokens = max(STEP_TOKENS, self.k + 1) if self.batch_limit is None else None
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._pace: dict[Sequence, _Pace] = {}
         self._proposed: list[Sequence] = []
@@ -113,10 +117,17 @@ class Speculator:
     def propose(self, running: Seq[Sequence]) -> None:
         """Give drafts to the running sequences that decode next (one token left to compute)."""
         self._proposed = []
-        if len(running) > self.batch_limit:
+        if self.batch_limit is not None and len(running) > self.batch_limit:
+            return
+        if self.step_tokens is not None and len(running) >= self.step_tokens:
             return
         seqs = [s for s in running if s.num_uncomputed == 1 and self.eligible(s)]
-        lengths = [self._length(s) for s in seqs]
+        budget = len(seqs) * self.k if self.step_tokens is None else self.step_tokens - len(running)
+        lengths = []
+        for seq in seqs:
+            length = min(self._length(seq), budget)
+            lengths.append(length)
+            budget -= length
         for seq, draft in zip(seqs, self.proposer.propose(seqs, lengths)):
             if draft and self._constrained(seq):
                 del draft[self.grammars.valid_prefix(seq, draft):]  # type: ignore[union-attr]
