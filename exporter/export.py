@@ -35,6 +35,7 @@ from .onnx.graph_builder import OnnxBuilder
 from .onnx.slices import Slice, artifact_slices, carry, checkpoint_slices, graph_sources, layer_groups, slice_feed, \
     slice_weights
 from .onnx.weights_file import StreamedWeights, WeightsFile
+from .progress import stage_bar
 from .quantize import quantize_weights, w8a8_int8
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
 from .smoothquant import smooth
@@ -303,11 +304,6 @@ def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Che
     return dataclasses.replace(checkpoint, tensors=tensors)  # generation defaults and the rest kept
 
 
-def _bar(log: TextIO, total: float, desc: str, unit: str) -> tqdm:
-    """A stage's progress bar with its ETA (refreshed at most once a second)."""
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=log, mininterval=1.0, leave=False)
-
-
 def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, accuracy_level: int, dtype: str,
                 out: Path, log: TextIO, shard: RankShard | None = None) -> OnnxWeights:
     """GRAPH (its KV cache in the compute dtype, kv_cache.dtype auto) and WEIGHTS, one graph weight at a time: the
@@ -324,7 +320,7 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     if shard is not None:
         graph_weights = ShardedWeights(graph_weights, model, shard)
     desc = "converting weights" + ("" if shard is None else f" (rank {shard.rank} of {size})")
-    with WeightsFile(out / weights_path) as weights, _bar(log, sum(params.values()), desc, "") as bar:
+    with WeightsFile(out / weights_path) as weights, stage_bar(log, sum(params.values()), desc, "") as bar:
         store = StreamedWeights(graph_sources(model), graph_weights.__getitem__, weights,
                                 lambda name: bar.update(params[name]))
         builder = OnnxBuilder(rank_config(model, size), store.initializer, dtype)  # pools of the compute dtype
@@ -378,7 +374,7 @@ class CalibrationSource:
 
 def _calibration_bar(log: TextIO, groups: list[tuple[int, ...]], windows: Sequence[Sequence[int]], what: str) -> tqdm:
     layered = sum(1 for layers in groups if layers)  # the LM head alone is not run
-    return _bar(log, layered * len(windows), f"calibrating {what}" + (
+    return stage_bar(log, layered * len(windows), f"calibrating {what}" + (
         f" ({layered} slices of layers)" if layered > 1 else ""), "window")
 
 
@@ -449,7 +445,7 @@ def _write_kv_variants(model: ModelConfig, config: ExportConfig, written: OnnxWe
 def _checksums(staging: Path, log: TextIO) -> dict[str, str]:
     """Every file's sha256 (the manifest's), with a progress bar over the bytes read."""
     paths = [p for p in sorted(staging.rglob("*")) if p.is_file()]
-    with _bar(log, sum(p.stat().st_size for p in paths), "checksums", "B") as bar:
+    with stage_bar(log, sum(p.stat().st_size for p in paths), "checksums", "B") as bar:
         files = {}
         for path in paths:
             files[str(path.relative_to(staging))] = file_sha256(path)
@@ -510,7 +506,7 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
     max_blocks = max(g.blocks for f in manifest.families.values() for g in f.gears)
     reports = []
     total = sum(len(manifest.families) * (2 if d == manifest.dtype else 1) for d in manifest.served_kv_cache_dtypes)
-    bar = _bar(log, len(groups) * len(manifest.served_kv_cache_dtypes), "verifying gears", "slice")
+    bar = stage_bar(log, len(groups) * len(manifest.served_kv_cache_dtypes), "verifying gears", "slice")
     for dtype in manifest.served_kv_cache_dtypes:
         smallest = {family: min(spec.gears) for family, spec in manifest.families.items()}
         checks = [(family, gear) for family, spec in manifest.families.items()

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path  # noqa: E402
 from pagedgraph.exporter.checkpoint.gguf_tokenizer import tokenizer_spec  # noqa: E402
+from pagedgraph.exporter.progress import stage_bar  # noqa: E402
 
 INIT_STD = 0.02  # HF LlamaConfig.initializer_range
 CHUNK = 1 << 24  # elements drawn at a time (32 MiB of float16)
@@ -183,7 +184,7 @@ def write_checkpoint(out: Path, shape: Shape, seed: int = 0, shard_size: int = S
         files = ["model.safetensors"] if len(groups) == 1 else \
             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         levels = _levels()
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
+        with (stage_bar(sys.stderr, total, f"writing {out.name}", "B") if progress else tqdm(disable=True)) as bar:
             for name, group in zip(files, groups):
                 with open(staging / name, "wb") as f:
                     _write_shard(f, group, order, levels, seed, bar)

@@ -77,4 +77,17 @@ def test_an_artifact_too_large_to_check_here_is_written_and_says_it_did_not_veri
     assert "[verify" not in printed
     assert re.search(r"note: serving this artifact holds its 0\.\d GiB of weights in memory \(plus the KV pool\), "
                      r"and this machine has 0\.0 GiB available: it will not run here", printed), printed
+    assert "\r" not in printed and re.search(r"^converting weights: 100%\|.*\]$", printed, re.M), printed  # off a TTY
     Manifest.load(tmp_path / "out")  # whole: every file's checksum as recorded
+
+
+def test_a_stage_bar_off_a_terminal_writes_whole_lines_at_its_interval_and_a_last_one() -> None:
+    from pagedgraph.exporter.progress import stage_bar
+
+    stream = io.StringIO()
+    with stage_bar(stream, 1000, "quantizing", "B") as bar:
+        for _ in range(1000):
+            bar.update(1)
+    lines = stream.getvalue().split("\n")
+    assert "\r" not in stream.getvalue() and lines[-1] == "" and len(lines) == 3, lines  # start, end (30 s apart)
+    assert lines[0].startswith("quantizing:   0%|") and lines[1].startswith("quantizing: 100%|"), lines
