@@ -136,3 +136,17 @@ def test_bad_configs_name_their_key(smollm2_spec_artifact: Path, tiny_artifact: 
     with pytest.raises(ConfigError, match="speculative_config.model.*vocabulary"):
         _engine(smollm2_spec_artifact, {"method": "draft_model", "num_speculative_tokens": 2,
                                         "model": str(tiny_artifact)})
+
+
+def test_the_copy_bench_compares_speculation_on_and_off(smollm2_spec_artifact: Path) -> None:
+    """One copy-heavy request; the JSON carries the spec_decode counters and the run without speculation."""
+    from pagedgraph.runtime.bench.report import text_table
+    from pagedgraph.runtime.bench.suite import BenchOptions, run_bench
+
+    results = run_bench(BenchOptions(str(smollm2_spec_artifact), workload="copy", requests=1, baseline=None,
+                                     micro=False, threads=2, speculative_config=NGRAM))
+    json.dumps(results)
+    spec = results["spec_decode"]
+    assert spec["num_drafts"] > 0 and 0 < spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] > 1
+    assert results["outputs_equal_spec_off"] and results["speedup_vs_spec_off"] > 0
+    assert "paged/spec off" in text_table(results) and "mean acceptance length" in text_table(results)
