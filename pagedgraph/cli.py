@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,17 @@ def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
     return validate(ExportConfig, with_overrides({}, overrides), "the command line")
 
 
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM (`timeout`, systemd, Kubernetes) ends an export as Ctrl-C does: it unwinds, so the export removes its
+    staging directory, instead of dying where it stands and leaving a `.partial-*` directory beside --out."""
+    print(f"export interrupted by {signal.Signals(signum).name}: nothing written", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def _export(args: argparse.Namespace) -> int:
     from .exporter.export import export
 
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     formats = args.formats.split(",") if args.formats else None
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
                                           "export.target": args.target, "export.baseline": args.baseline,

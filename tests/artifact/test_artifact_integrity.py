@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,20 @@ def test_an_export_killed_over_an_artifact_leaves_the_old_one_whole(checkpoint: 
         assert point == "rename", f"killed in {point}, the export removed the old artifact"
     assert _export_killed_at("none", checkpoint, out) == 0
     Manifest.load(out)
+
+
+def test_an_export_stopped_by_sigterm_removes_its_staging_directory(checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    proc = subprocess.Popen([sys.executable, "-m", "pagedgraph.cli", "export", "--model", str(checkpoint),
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".art.partial-*/graphs/*.onnx")):  # converting (the gear check still ahead)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert "export interrupted by SIGTERM: nothing written" in proc.stderr.read()
+    assert not out.exists() and not list(tmp_path.glob(".art.partial-*")), sorted(tmp_path.rglob("*"))
 
 
 def test_loading_and_running_an_artifact_unpickles_nothing(checkpoint: Path, tmp_path: Path,
