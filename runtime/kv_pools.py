@@ -7,6 +7,7 @@ copies on them between steps. The KV cache manager only hands out block ids into
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,16 @@ def bytes_per_block(manifest: Manifest, kv_cache_dtype: str = "auto") -> int:
     model = manifest.model
     return kv_cache.bytes_per_block(manifest.kv_cache_dtype(kv_cache_dtype), model.num_layers, manifest.block_size,
                                     model.kv_size)
+
+
+def _zeroed_pool(shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """A zeroed pool whose pages become resident block by block, as they are written: an anonymous mapping with
+    transparent huge pages off. numpy asks for huge pages on its large allocations, so a 12 KiB block written could
+    make 2 MiB resident, and the pool's resident bytes followed the kernel's page policy, not the blocks in use."""
+    region = mmap.mmap(-1, max(1, shape[0] * shape[1] * np.dtype(dtype).itemsize))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype, shape[0] * shape[1]).reshape(shape)
 
 
 class KVPools(Mapping[str, np.ndarray]):
@@ -49,7 +60,7 @@ class KVPools(Mapping[str, np.ndarray]):
         self.bytes_per_block = bytes_per_block(manifest, self.kv_cache_dtype)
         model = manifest.model
         self.ranks = manifest.tensor_parallel_size
-        self._ranks = [{name: np.zeros((self.num_slots, model.kv_size // self.ranks), self.dtype)
+        self._ranks = [{name: _zeroed_pool((self.num_slots, model.kv_size // self.ranks), self.dtype)
                         for name in c.cache_names(model.num_layers)} for _ in range(self.ranks)]
         self._arrays = self._ranks[0]
 
