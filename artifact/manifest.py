@@ -89,6 +89,12 @@ class Manifest:
         return graph if rank is None else rank_file(graph, self.ranks[rank].folder)
 
     @property
+    def block_quantized(self) -> bool:
+        """Whether some linears run as `Linear.block_quantized` (ONNX: MatMulNBits): every quantization but none
+        stores some so (w8a8 its down_proj and LM head); float32 and bfloat16 weights run dense linears only."""
+        return self.quantization != "none"
+
+    @property
     def sampling_defaults(self) -> dict[str, Any]:
         """The generation defaults' values, under SamplingParams' names."""
         return {name: entry["value"] for name, entry in self.generation_defaults.items()}

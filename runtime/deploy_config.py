@@ -67,8 +67,8 @@ class SchedulerSection(Settings):
         True, description="false: each prompt runs whole in one step (needs max_num_batched_tokens >= max_model_len)")
     batch_invariant: bool = Field(
         True, description="greedy output independent of the batch, chunking and prefix hits (no one-token prompt "
-                          "chunks, no one-row steps); false: a little faster single-stream decode "
-                          "(docs/performance.md, 'Batch invariance')")
+                          "chunks; with block-quantized weights no one-row steps); false: faster single-stream decode "
+                          "of quantized artifacts (docs/performance.md, 'Batch invariance')")
 
 
 class SamplingDefaults(Settings):

@@ -19,11 +19,13 @@ class Packer:
     """Bucket selection and input packing; padding rows point at the null block."""
 
     def __init__(self, manifest: Manifest, batch_invariant: bool = False) -> None:
-        """`batch_invariant`: every step runs a gear of even T and B where one fits. ONNX Runtime's MatMulNBits
-        (the block-quantized linears) computes rows in pairs and a lone last row another way (docs/performance.md,
-        "Batch invariance"), so a single decode pads to two rows and gets the logits it gets inside a batch."""
+        """`batch_invariant` on an artifact with block-quantized linears (`Manifest.block_quantized`): every step
+        runs a gear of even T and B where one fits. ONNX Runtime's MatMulNBits computes rows in pairs and a lone
+        last row another way (docs/performance.md, "Batch invariance"), so a single decode pads to two rows and
+        gets the logits it gets inside a batch. Dense linears compute each row alike at any M: no padding."""
         self.block_size = manifest.block_size
-        self.batch_invariant = batch_invariant
+        self.even_gears = batch_invariant and manifest.block_quantized
+        self._passes = (True, False) if self.even_gears else (False,)  # where no even gear fits, an odd one serves
         self.gears = {name: sorted(f.gears) for name, f in manifest.families.items()}
         self.buffers: dict[Gear, dict[str, np.ndarray]] = {}
         self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
@@ -35,7 +37,7 @@ class Packer:
         blocks = max(len(s.block_table) for s in batch.seqs)
         gears = self.gears[family]
         start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
-        for even in (self.batch_invariant, False):  # where no even gear fits, an odd one still serves
+        for even in self._passes:
             for gear in gears[start:]:
                 if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
                         not even or gear.tokens % 2 == gear.seqs % 2 == 0):
@@ -44,7 +46,10 @@ class Packer:
                           f"the scheduler limits must stay within the exported ladders")
 
     def odd_widest_gears(self) -> list[Gear]:
-        """The widest gear of each family where its T or B is odd: steps that need it break batch invariance."""
+        """With even gears wanted, the widest gear of each family where its T or B is odd: steps that need it break
+        batch invariance."""
+        if not self.even_gears:
+            return []
         widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
         return [g for g in widest if g.tokens % 2 or g.seqs % 2]
 

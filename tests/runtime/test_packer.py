@@ -67,15 +67,19 @@ def test_decode_batch_uses_decode_family_and_reuses_buffers() -> None:
 
 
 def test_batch_invariant_selection_runs_even_gears_where_one_fits() -> None:
-    """MatMulNBits computes a lone last row another way (docs/performance.md, "Batch invariance"): a single decode
-    runs the B = 2 gear, not B = 1; where only an odd gear fits, it serves and the packer names it."""
+    """MatMulNBits computes a lone last row another way (docs/performance.md, "Batch invariance"): with
+    block-quantized linears a single decode runs the B = 2 gear, not B = 1; where only an odd gear fits, it serves
+    and the packer names it. Dense linears (quantization none) compute each row alike: no padding."""
     decode = tuple(Gear(b, b, 2) for b in (1, 2, 3))
     families = {PREFILL: Family("graphs/model.onnx", (Gear(8, 4, 2),)), DECODE: Family("graphs/model.onnx", decode)}
-    manifest = Manifest(MODEL, 16, 64, "float32", families, {})
+    quantized = Manifest(MODEL, 16, 64, "float32", families, {}, quantization="w8a8")
+    dense = Manifest(MODEL, 16, 64, "float32", families, {})
     one = ScheduledBatch([_seq([1, 2], 1, [3])], [1])
     three = ScheduledBatch([_seq([1, 2], 1, [3]) for _ in range(3)], [1, 1, 1])
-    assert Packer(manifest).select(one)[1] == Gear(1, 1, 2)
-    invariant = Packer(manifest, batch_invariant=True)
+    assert Packer(quantized).select(one)[1] == Gear(1, 1, 2)
+    invariant = Packer(quantized, batch_invariant=True)
     assert invariant.select(one)[1] == Gear(2, 2, 2)
     assert invariant.select(three)[1] == Gear(3, 3, 2)
     assert invariant.odd_widest_gears() == [Gear(3, 3, 2)]
+    unpadded = Packer(dense, batch_invariant=True)
+    assert unpadded.select(one)[1] == Gear(1, 1, 2) and unpadded.odd_widest_gears() == []
