@@ -183,7 +183,6 @@ class LLMEngine:
         self.stats = EngineStats(cache=self.kv.stats)
         self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
         self.custom_ops_setting = config.custom_ops
-        self.batch_invariant = config.batch_invariant
         self.executor_name = config.executor
         self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.model.vocab_size))
         self.sampler.add(self.structured)
@@ -455,7 +454,7 @@ class LLMEngine:
                            weight_formats=dict(self.manifest.weight_formats), batch_variance=self._batch_variance())
 
     def _batch_variance(self) -> str | None:
-        if not self.batch_invariant:
+        if not self.scheduler.batch_invariant:
             return "scheduler.batch_invariant is false"
         if self.speculator is not None:
             return ("speculative decoding verifies drafts as prompt rows, which reduce another way than decode rows, "
