@@ -135,7 +135,8 @@ class KVCacheManager:
         step: the graph writes all new K/V of a layer before any query of that layer reads, so a
         request admitted later in the same step may already share these blocks.
         """
-        full = min(num_tokens, seq.num_verified_tokens) // self.block_size  # drafts never enter the cache
+        num_tokens = min(num_tokens, seq.num_verified_tokens)  # drafts never enter the cache, nor its hash chain
+        full = num_tokens // self.block_size
         done = self._num_registered.get(seq, 0)
         if not self.enable_prefix_caching or full <= done:
             return

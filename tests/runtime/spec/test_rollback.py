@@ -75,3 +75,30 @@ def _replay(streams: list[list[int]]) -> tuple:
             seq.num_computed_tokens += 1
             seq.token_ids.append(stream[seq.num_tokens])
     return kv, parent, child
+
+
+def test_drafts_of_a_whole_block_leave_no_hash_behind() -> None:
+    """K >= block_size: the step that completes a verified block also holds a block of drafts only. After those
+    drafts are rejected and other tokens fill that block, a prompt that repeats the drafts must not hit it."""
+    kv = KVCacheManager(16, BS)
+    params = SamplingParams(temperature=0)
+    seq = Sequence("a", list(range(100, 132)), params, 0.0)
+    kv.allocate_slots(seq, 31)
+    kv.cache_blocks(seq, 31)
+    seq.num_computed_tokens = 31
+    drafts = list(range(500, 500 + BS))
+    seq.set_drafts(drafts)
+    assert kv.allocate_slots(seq, 1 + BS) == []
+    kv.cache_blocks(seq, 32 + BS)
+    seq.drop_drafts()
+    kv.rollback(seq, 32)
+    for token in range(600, 600 + BS):  # what the target emits instead, one plain step each
+        kv.cache_blocks(seq, seq.num_tokens)
+        seq.token_ids.append(token)
+    kv.allocate_slots(seq, BS)
+    seq.num_computed_tokens = 32 + BS
+    kv.cache_blocks(seq, seq.num_tokens)
+    repeats_drafts = Sequence("b", seq.token_ids[:32] + drafts + [1], params, 1.0)
+    assert len(kv.computed_blocks(repeats_drafts)) == 2
+    follows = Sequence("c", seq.token_ids + [1], params, 2.0)
+    assert len(kv.computed_blocks(follows)) == 3
