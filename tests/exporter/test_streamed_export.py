@@ -55,6 +55,7 @@ def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.e2e  # the real model's artifacts, fetched by name: tests/conftest.py's marking cannot see them
 @pytest.mark.parametrize("artifact", ["smollm2_artifact", "smollm2_w8a8_artifact", "smollm2_gguf_artifact"])
 def test_streamed_artifact_is_byte_identical_to_the_whole_model_one(artifact: str, request: pytest.FixtureRequest,
                                                                     tmp_path: Path) -> None:

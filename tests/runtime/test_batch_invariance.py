@@ -19,6 +19,9 @@ from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.texts import shipped_text
 from tests.conftest import TEST_EXPORT, short_calibration
 
+# Every case runs the real model, its artifact fetched by name (getfixturevalue), which tests/conftest.py's e2e
+# marking cannot see.
+pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 # Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
 # dtype, w8a16 and w4a16; the others are tests/conftest.py's.

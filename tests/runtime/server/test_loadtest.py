@@ -22,6 +22,7 @@ def _shipped_precision() -> tuple[str, str]:
     return export["model"]["quantization"], deployment["kv_cache"]["dtype"]
 
 
+@pytest.mark.e2e  # the real model's artifacts, fetched by name: tests/conftest.py's marking cannot see them
 @pytest.mark.parametrize("precision", ["fp32", "shipped"])
 def test_the_load_script_finds_no_errors_mismatches_or_leaks(precision: str, tmp_path: Path,
                                                              request: pytest.FixtureRequest) -> None:
