@@ -27,7 +27,6 @@ from ..graphs.contract import Gear
 from .executor_ort import CustomOps, pool_values, register_custom_ops, run_options, session_options
 from .kv_pools import KVPools
 
-ATB_DOMAIN = "atb"  # the ONNX domain of the op set's nodes (exporter/onnx/nodes.py)
 # ONNX Runtime: where a model given as bytes finds its external data.
 EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
@@ -48,7 +47,7 @@ def split_stages(graph: onnx.GraphProto) -> list[Stage]:
     groups: list[list[onnx.NodeProto]] = [[]]
     reductions: list[tuple[str, str]] = []
     for node in graph.node:
-        if node.domain == ATB_DOMAIN and node.op_type == ops.ALL_REDUCE.name:
+        if node.domain == ops.OP_SET_DOMAIN and node.op_type == ops.ALL_REDUCE.name:
             reductions.append((node.input[0], node.output[0]))
             groups.append([])
         else:

@@ -18,7 +18,7 @@ from onnx import FunctionProto, TensorProto, helper
 
 from . import attention, quantized
 from .kv_cache import to_cache
-from .nodes import ATB_DOMAIN, OPSET, Nodes
+from .nodes import OPSET, Nodes
 from ...graphs import ops
 from ...graphs.kv_cache import cache_format
 from ...graphs.ops.op import Attributes, Lowering, Op
@@ -33,7 +33,7 @@ class OnnxGraph:
     def __init__(self) -> None:
         self.n = Nodes(prefix="n")
         self.functions: dict[str, Function] = {}
-        self.opsets: dict[str, int] = {"": OPSET, ATB_DOMAIN: 1}
+        self.opsets: dict[str, int] = {"": OPSET, ops.OP_SET_DOMAIN: 1}
 
     def use_function(self, function: "Function") -> None:
         self.functions.setdefault(function.op.key, function)
@@ -53,13 +53,13 @@ class Function:
         n = Nodes(prefix="")
         for result, out in zip(self.body(n), self.op.outputs):
             n.rename(result, out.name)  # no trailing Identity: a pool write must stay the op that outputs it
-        return helper.make_function(ATB_DOMAIN, self.op.name, [t.name for t in self.op.inputs],
+        return helper.make_function(ops.OP_SET_DOMAIN, self.op.name, [t.name for t in self.op.inputs],
                                     [t.name for t in self.op.outputs], n.nodes, [helper.make_opsetid("", OPSET)],
                                     attributes=list(self.op.attribute_names))
 
     def __call__(self, g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
         g.use_function(self)
-        out = g.n.op(self.op.name, *inputs, outputs=len(self.op.outputs), domain=ATB_DOMAIN,
+        out = g.n.op(self.op.name, *inputs, outputs=len(self.op.outputs), domain=ops.OP_SET_DOMAIN,
                      **dataclasses.asdict(attrs))
         return [out] if isinstance(out, str) else out
 
@@ -91,7 +91,7 @@ def _split(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
 def _all_reduce(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
     """One `atb` node without a function body: ONNX Runtime refuses a rank graph unless a kernel for it is
     registered (a collective) or the runtime splits the graph there and sums (runtime/tp_executor.py)."""
-    return [g.n.op(ops.ALL_REDUCE.name, *inputs, domain=ATB_DOMAIN, rank_size=attrs.rank_size)]
+    return [g.n.op(ops.ALL_REDUCE.name, *inputs, domain=ops.OP_SET_DOMAIN, rank_size=attrs.rank_size)]
 
 
 def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> list[str]:

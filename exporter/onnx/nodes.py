@@ -7,7 +7,6 @@ import numpy as np
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 OPSET = 17
-ATB_DOMAIN = "atb"
 
 
 class Nodes:

@@ -26,6 +26,9 @@ from .split import SPLIT, split
 from .swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
+# The ONNX domain of the op set's nodes and functions (ATB's name for it); kernels/ort_ops.cc registers its custom
+# ops under the same string.
+OP_SET_DOMAIN = "atb"
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.
 OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, GATHER_BF16, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED,
                        LINEAR_W8A8, DYNAMIC_QUANT, LINEAR_W8A8_STATIC, LINEAR_BF16, BLOCK_MINIMUM, RMS_NORM,
@@ -37,9 +40,9 @@ OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, GATHER_BF16, ADD, SPLIT, 
 __all__ = [
     "ADD", "ADD_RMS_NORM", "ALL_REDUCE", "BLOCK_MINIMUM", "DYNAMIC_QUANT", "GATHER", "GATHER_BF16",
     "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BF16", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8",
-    "LINEAR_W8A8_STATIC", "OPS", "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16", "PAGED_ATTENTION_F16",
-    "PAGED_ATTENTION_INT8", "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16", "RESHAPE_AND_CACHE_F16",
-    "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU", "Op", "add", "add_rms_norm",
-    "all_reduce", "gather", "linear", "paged_attention", "reshape_and_cache", "rms_norm", "rope", "self_attention",
-    "split", "swiglu",
+    "LINEAR_W8A8_STATIC", "OPS", "OP_SET_DOMAIN", "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16",
+    "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8", "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16",
+    "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU",
+    "Op", "add", "add_rms_norm", "all_reduce", "gather", "linear", "paged_attention", "reshape_and_cache",
+    "rms_norm", "rope", "self_attention", "split", "swiglu",
 ]
