@@ -88,6 +88,14 @@ class Manifest:
         graph = kv_variant(self.families[family].graph, kv_cache_dtype, self.dtype)
         return graph if rank is None else rank_file(graph, self.ranks[rank].folder)
 
+    def served_graph(self, kv_cache_dtype: str, rank: int | None = None) -> str:
+        """The one graph file that serves every family with pools of `kv_cache_dtype` (rank `rank`'s with tensor
+        parallelism): what an executor loads; an error if the families have graphs of their own."""
+        graphs = {self.graph_for(family, kv_cache_dtype, rank) for family in self.families}
+        if len(graphs) != 1:
+            raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
+        return graphs.pop()
+
     @property
     def block_quantized(self) -> bool:
         """Whether some linears run as `Linear.block_quantized` (ONNX: MatMulNBits): every quantization but none

@@ -186,10 +186,8 @@ class OrtExecutor:
         # Whether the fused ops run as pagedgraph's C++ kernels ("auto" may have fallen back).
         self.custom_ops = register_custom_ops(options, custom_ops)
         # The graph whose pools hold `kv_cache_dtype` (one per exported cache dtype, sharing the weights).
-        graphs = {manifest.graph_for(family, pools.kv_cache_dtype) for family in manifest.families}
-        if len(graphs) != 1:
-            raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
-        self.session = ort.InferenceSession(str(Path(artifact) / graphs.pop()), options,
+        graph = manifest.served_graph(pools.kv_cache_dtype)
+        self.session = ort.InferenceSession(str(Path(artifact) / graph), options,
                                             providers=["CPUExecutionProvider"])
         page_out_weights(Path(artifact) / "graphs")
         unmap_large_blocks()

@@ -146,14 +146,10 @@ class TensorParallelExecutor:
 
     def __init__(self, artifact: Path, manifest: Manifest, pools: KVPools, threads: int | None = None,
                  custom_ops: CustomOps = "auto") -> None:
-        graphs = {manifest.families[family].graph for family in manifest.families}
-        if len(graphs) != 1:
-            raise ValueError(f"expected one graph shared by all families, got {sorted(graphs)}")
-        family = next(iter(manifest.families))
         self.pools = pools
         self.ranks = []
         for rank in range(manifest.tensor_parallel_size):
-            path = Path(artifact) / manifest.graph_for(family, pools.kv_cache_dtype, rank)
+            path = Path(artifact) / manifest.served_graph(pools.kv_cache_dtype, rank)
             options = session_options(threads)
             self.custom_ops = register_custom_ops(options, custom_ops)
             options.add_session_config_entry(EXTERNAL_FOLDER, str(path.parent))

@@ -44,7 +44,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
     from pagedgraph.runtime.kv_pools import KVPools
 
     manifest = Manifest.load(artifact, verify=False)
-    graph = artifact / manifest.families[DECODE].graph
+    graph = artifact / manifest.served_graph(manifest.dtype)  # both phases run this graph
     before = {key: _status_mib(key) for key in ("RssAnon", "RssFile")}
     with tempfile.TemporaryDirectory(prefix="pagedgraph-prepack-") as scratch:
         options = session_options(threads, prepack)

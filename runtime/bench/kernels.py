@@ -47,7 +47,7 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
     """Per phase: {op type: {"provider", "calls" per step, "ms" per step}}, plus the MatMulNBits forms and the
     oneDNN implementation of Linear.bfloat16."""
     manifest = Manifest.load(artifact, verify=False)
-    graph = artifact / manifest.families[DECODE].graph
+    graph = artifact / manifest.served_graph(manifest.dtype)  # both phases run this graph
     out: dict[str, Any] = {"matmul_nbits": _nbits_forms(graph)}
     for phase in (DECODE, PREFILL):
         gear = min(manifest.families[phase].gears, key=lambda g: (g.tokens, g.blocks))
