@@ -23,6 +23,7 @@ from ...artifact.manifest import kv_variant, rank_file, rank_folder
 from ...artifact.mindir import (DIRECTORY, INDEX, INT4X2, WEIGHTS, MindirIndex, WeightEntry, gear_key,
                                 import_mindspore, numpy_dtype, write_weights)
 from ..checkpoint.base import Checkpoint
+from ..progress import stage_bar
 from .builder import MindSporeBuilder, MindSporeTarget, load_cell_class
 from ...graphs import contract as c
 from ...graphs import llama
@@ -102,8 +103,6 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     data-free example arguments; a progress bar with an ETA goes to `log`. The workers are spawned, so a script that
     exports with more than one must call it under `if __name__ == "__main__":` (the CLI does).
     """
-    from tqdm import tqdm
-
     import_mindspore("--format mindir")
     model = checkpoint.config
     dtype = compute_dtype(target, model_dtype)
@@ -120,7 +119,7 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     forms = llama.WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
     (out / directory).mkdir(parents=True, exist_ok=True)
     int4: set[str] = set()
-    with tqdm(total=len(graph_weights), unit="tensor", file=log, mininterval=1.0, desc="mindir weights") as bar:
+    with stage_bar(log, len(graph_weights), "mindir weights", "tensor", unit_scale=False) as bar:
         entries = write_weights(out / weights_file, _target_arrays(graph_weights, dtype, w8a8_inputs or {}, int4, bar))
     del graph_weights
     entries.update({name: dataclasses.replace(entries[name], dtype=INT4X2) for name in int4})
@@ -137,8 +136,8 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     workers = max(1, min(workers or default_workers(), len(tasks)))
     done: dict[tuple[str, str, str], _Compiled] = {}
     with tempfile.TemporaryDirectory(prefix="pagedgraph-mindir-") as scratch, \
-            tqdm(total=len(tasks), unit="gear", file=log, mininterval=1.0,
-                 desc=f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}") as bar:
+            stage_bar(log, len(tasks), f"mindir {target}, {workers} worker{'s' if workers > 1 else ''}", "gear",
+                      unit_scale=False) as bar:
         job = _Job(model, forms, block_size, target, dtype, str(out), scratch, entries, pool_shape, directory, size)
         if workers == 1:
             ms = import_mindspore("--format mindir")
