@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from pagedgraph.artifact.settings import load_yaml
+from pagedgraph.exporter.config import ExportConfig
+from pagedgraph.runtime.deploy_config import load_deployment
 from tests.paths import REPO
 
 SHIPPED = REPO / "configs" / "deploy-smollm2.yaml"
@@ -17,9 +19,10 @@ SHIPPED = REPO / "configs" / "deploy-smollm2.yaml"
 
 def _shipped_precision() -> tuple[str, str]:
     """The shipped deployment's weight quantization (from its export config) and KV-cache dtype."""
-    deployment = yaml.safe_load(SHIPPED.read_text())
-    export = yaml.safe_load((SHIPPED.parent / deployment["model"]["export_config"]).read_text())
-    return export["model"]["quantization"], deployment["kv_cache"]["dtype"]
+    deployment = load_deployment(SHIPPED)
+    assert deployment.model.export_config is not None, f"{SHIPPED} must name the export config of its artifact"
+    export = load_yaml(ExportConfig, deployment.model.export_config)
+    return export.model.quantization, deployment.kv_cache.dtype
 
 
 @pytest.mark.e2e  # the real model's artifacts, fetched by name: tests/conftest.py's marking cannot see them
