@@ -164,7 +164,10 @@ def main() -> None:
         previous = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": []}
         done = {(r["checkpoint"], r["precision"], r["config"]) for r in runs}
         kept = [r for r in previous["runs"] if (r["checkpoint"], r["precision"], r.get("config", "EXPORT")) not in done]
-        results = {**started, "export": EXPORT, "runs": kept + runs}
+        # "export" is the built-in ladder, the one of the runs whose config is "EXPORT"; a --config run names its
+        # YAML instead, so the key is left out where no run used the built-in ladder.
+        builtin = {"export": EXPORT} if any(r.get("config", "EXPORT") == "EXPORT" for r in kept + runs) else {}
+        results = {**started, **builtin, "runs": kept + runs}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
