@@ -252,6 +252,19 @@ int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, c
   return 0;
 }
 
+bool pg_bf16_linear_supported() {
+  static const bool supported = [] {
+    try {
+      const auto any = memory::desc({kMinChunk, kMinChunk}, memory::data_type::bf16, memory::format_tag::any);
+      make_desc(1, kMinChunk, kMinChunk, any);
+      return true;
+    } catch (const dnnl::error &) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
 const char *pg_bf16_linear_implementations() {
   Shared &s = shared();
   std::lock_guard<std::mutex> guard(s.mutex);

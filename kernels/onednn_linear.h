@@ -20,6 +20,10 @@ void pg_bf16_linear_destroy(pg_bf16_linear *linear);
 int pg_bf16_linear_run(pg_bf16_linear *linear, const float *x, int64_t tokens, const uint16_t *weight, float *y,
                        const pg_runner *runner);
 
+// Whether oneDNN has a bfloat16 matmul on this CPU (AVX-512 BF16 or AMX; none on AVX2): where it has not, the
+// custom-op library leaves Linear.bfloat16 unregistered and ONNX Runtime runs the op's float32 function body.
+bool pg_bf16_linear_supported();
+
 // The oneDNN implementations the primitives created so far use ("brg:avx512_core_bf16", ...),
 // comma-separated, and the library's version: what the bench records as the kernel that ran.
 const char *pg_bf16_linear_implementations();

@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels.h"
 #include "onnxruntime_c_api.h"
@@ -556,16 +557,12 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
   // The domain must outlive every session made from `options`: it is kept for the process.
   OrtCustomOpDomain *domain;
   RETURN_IF_ERROR(api->CreateCustomOpDomain("atb", &domain));
-  for (OrtCustomOp *op : {static_cast<OrtCustomOp *>(&paged_attention_op),
-                          static_cast<OrtCustomOp *>(&reshape_and_cache_op),
-                          static_cast<OrtCustomOp *>(&self_attention_op), static_cast<OrtCustomOp *>(&rope_op),
-                          static_cast<OrtCustomOp *>(&swiglu_op),
-                          static_cast<OrtCustomOp *>(&block_minimum_op),
-                          static_cast<OrtCustomOp *>(&dynamic_quant_op),
+  std::vector<OrtCustomOp *> ops = {&paged_attention_op, &reshape_and_cache_op, &self_attention_op, &rope_op,
+                                    &swiglu_op, &block_minimum_op, &dynamic_quant_op};
 #ifdef PG_WITH_ONEDNN
-                          static_cast<OrtCustomOp *>(&linear_op),
+  if (pg_bf16_linear_supported()) ops.push_back(&linear_op);  // else ORT runs Linear.bfloat16's function body
 #endif
-                         }) {
+  for (OrtCustomOp *op : ops) {
     if (OrtStatus *status = api->CustomOpDomain_Add(domain, op)) {
       api->ReleaseCustomOpDomain(domain);
       return status;
@@ -576,6 +573,15 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
 
 // The oneDNN implementations Linear.bf16's primitives use so far and oneDNN's version ("" before the first
 // run, or without oneDNN): `pagedgraph bench` records it as the kernel that ran (runtime/bench/kernels.py).
+// Whether Linear.bfloat16 runs as oneDNN's bf16 matmul here (false: no bf16 matmul on this CPU, or no oneDNN).
+extern "C" __attribute__((visibility("default"))) bool PgBf16LinearSupported() {
+#ifdef PG_WITH_ONEDNN
+  return pg_bf16_linear_supported();
+#else
+  return false;
+#endif
+}
+
 extern "C" __attribute__((visibility("default"))) const char *PgBf16LinearImplementations() {
 #ifdef PG_WITH_ONEDNN
   return pg_bf16_linear_implementations();

@@ -7,10 +7,12 @@ library on the op's examples and checks from ORT's profile that the kernel, not 
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 from ..graphs import ops
 from ..graphs.ops.op import Lowering, Op
+from .build import ort_library_path
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,12 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
                                      ops.DYNAMIC_QUANT)},
     fallback="onnx")
 ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "kernels/onednn_linear.cc", onednn=True))
+
+
+def bf16_linear_supported() -> bool:
+    """Whether the custom-op library registers Linear.bfloat16 here: built with oneDNN, on a CPU where oneDNN has a
+    bfloat16 matmul (AVX-512 BF16 or AMX; not AVX2). Elsewhere ORT runs the op's float32 function body, with its
+    weights widened to float32 once (twice the bfloat16 weights in memory)."""
+    library = ctypes.CDLL(str(ort_library_path()))
+    library.PgBf16LinearSupported.restype = ctypes.c_bool
+    return bool(library.PgBf16LinearSupported())

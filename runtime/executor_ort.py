@@ -26,7 +26,9 @@ from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import Gear
 from ..kernels.build import KernelBuildError, ort_library_path
+from ..kernels.int8_gemm import session_source
 from ..kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
+from ..kernels.ort_ops import bf16_linear_supported
 from .kv_pools import KVPools
 
 log = logging.getLogger(__name__)
@@ -185,9 +187,13 @@ class OrtExecutor:
         options = session_options(threads)
         # Whether the fused ops run as pagedgraph's C++ kernels ("auto" may have fallen back).
         self.custom_ops = register_custom_ops(options, custom_ops)
+        if manifest.dtype == "bfloat16" and not (self.custom_ops and bf16_linear_supported()):
+            log.warning("Linear.bfloat16 runs its float32 ONNX body (%s): its weights are widened to float32 in "
+                        "memory, twice the artifact's", "custom ops off" if not self.custom_ops else
+                        "oneDNN has no bfloat16 matmul on this CPU, which needs AVX-512 BF16 or AMX")
         # The graph whose pools hold `kv_cache_dtype` (one per exported cache dtype, sharing the weights).
         graph = manifest.served_graph(pools.kv_cache_dtype)
-        self.session = ort.InferenceSession(str(Path(artifact) / graph), options,
+        self.session = ort.InferenceSession(session_source(Path(artifact) / graph, options), options,
                                             providers=["CPUExecutionProvider"])
         page_out_weights(Path(artifact) / "graphs")
         unmap_large_blocks()

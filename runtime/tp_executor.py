@@ -24,11 +24,9 @@ from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs import ops
 from ..graphs.contract import Gear
+from ..kernels.int8_gemm import EXTERNAL_FOLDER, fit_int8_gemm
 from .executor_ort import CustomOps, pool_values, register_custom_ops, run_options, session_options
 from .kv_pools import KVPools
-
-# ONNX Runtime: where a model given as bytes finds its external data.
-EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
@@ -94,6 +92,7 @@ class RankGraph:
 
     def __init__(self, model: onnx.ModelProto, options: ort.SessionOptions,
                  pools: Mapping[str, ort.OrtValue] | None = None) -> None:
+        fit_int8_gemm(model)
         self.stages = split_stages(model.graph)
         self._pools = dict(pools or {})
         self._pool_of = {c.cache_output_name(name): name for name in self._pools}

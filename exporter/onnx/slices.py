@@ -21,11 +21,11 @@ from ...graphs import contract as c
 from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.quant import Weight
+from ...kernels.int8_gemm import EXTERNAL_FOLDER, fit_int8_gemm, session_source
 
 # Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
 SLICE_BYTES = 1 << 30
 # ONNX Runtime: where a model given as bytes finds its external data.
-EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,13 @@ class Slice:
         (docs/performance.md)."""
         import onnxruntime as ort
 
-        if model is None and isinstance(self.graph, Path):
-            return ort.InferenceSession(str(self.graph), providers=["CPUExecutionProvider"])
         options = ort.SessionOptions()
+        if model is None and isinstance(self.graph, Path):
+            return ort.InferenceSession(session_source(self.graph, options), options, providers=["CPUExecutionProvider"])
         options.add_session_config_entry(EXTERNAL_FOLDER, str(self.folder))
-        return ort.InferenceSession((model or self.proto()).SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
+        model = model or self.proto()
+        fit_int8_gemm(model)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     @property
     def carried(self) -> list[str]:

@@ -23,6 +23,7 @@ from pagedgraph.graphs import quant
 from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.graphs.quant import BlockQuantized, Int8PerChannel
 from pagedgraph.artifact.settings import ConfigError, validate
+from pagedgraph.kernels.int8_gemm import fit_int8_gemm
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -152,6 +153,8 @@ def _prefill_logits(model: onnx.ModelProto, manifest: Manifest, tokens: list[int
     options = ort.SessionOptions()
     if custom_ops is not None:
         options.register_custom_ops_library(str(custom_ops))
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    fit_int8_gemm(model)  # as the runtime loads it on this CPU
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     t, bs = len(tokens), manifest.block_size
     feed = {c.INPUT_IDS: np.array(tokens, np.int64), c.POSITIONS: np.arange(t, dtype=np.int64),
