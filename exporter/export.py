@@ -24,6 +24,7 @@ from ..artifact.manifest import (MANIFEST, Family, Manifest, RankLayout, content
                                  kv_variant, rank_file, rank_folder)
 from ..artifact.mindir import INDEX as MINDIR_INDEX
 from ..artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
+from ..kernels.int8_gemm import SHIFTED_FILE, forget_shifted
 from .buckets import plan_gears
 from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
@@ -151,6 +152,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        _drop_shifted(staging)  # the calibration's, on a CPU whose int8 GEMM is rewritten (kernels/int8_gemm.py)
         files = _checksums(staging, log)
         manifest = Manifest(
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,
@@ -167,6 +169,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
         (staging / MANIFEST).write_text(manifest.to_json())
         reports = _verify_gears(staging, manifest, written, kv_scales, log) \
             if options.verify_gears and written is not None else []
+        _drop_shifted(staging)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -440,6 +443,12 @@ def _write_kv_variants(model: ModelConfig, config: ExportConfig, written: OnnxWe
         path = out / kv_variant(GRAPH, kv_cache_dtype, config.model.dtype)
         onnx.save_model(builder.model("pagedgraph"), path)
         onnx.checker.check_model(path, full_check=True)
+
+
+def _drop_shifted(staging: Path) -> None:
+    """The shifted int8 weights the export's own runs wrote beside the staged weights: not part of the artifact."""
+    for shifted in staging.rglob(SHIFTED_FILE):
+        forget_shifted(shifted.parent)
 
 
 def _checksums(staging: Path, log: TextIO) -> dict[str, str]:

@@ -26,7 +26,7 @@ from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import Gear
 from ..kernels.build import KernelBuildError, ort_library_path
-from ..kernels.int8_gemm import session_source
+from ..kernels.int8_gemm import cpu_session, shifted_dir
 from ..kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
 from ..kernels.ort_ops import bf16_linear_supported
 from .kv_pools import KVPools
@@ -193,9 +193,9 @@ class OrtExecutor:
                         "oneDNN has no bfloat16 matmul on this CPU, which needs AVX-512 BF16 or AMX")
         # The graph whose pools hold `kv_cache_dtype` (one per exported cache dtype, sharing the weights).
         graph = manifest.served_graph(pools.kv_cache_dtype)
-        self.session = ort.InferenceSession(session_source(Path(artifact) / graph, options), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = cpu_session(Path(artifact) / graph, options)
         page_out_weights(Path(artifact) / "graphs")
+        page_out_weights(shifted_dir())
         unmap_large_blocks()
         self._run_options = run_options()
         self.model = manifest.model

@@ -88,11 +88,13 @@ def stage_model(model: onnx.ModelProto, stage: Stage) -> onnx.ModelProto:
 
 class RankGraph:
     """One rank's graph as a session per stage; `pools` (its KV pools as OrtValues) are bound as the inputs and the
-    aliased outputs of its cache writes, so they are written in place as in the whole graph."""
+    aliased outputs of its cache writes, so they are written in place as in the whole graph; `folder` holds its
+    external weights."""
 
     def __init__(self, model: onnx.ModelProto, options: ort.SessionOptions,
-                 pools: Mapping[str, ort.OrtValue] | None = None) -> None:
-        fit_int8_gemm(model)
+                 pools: Mapping[str, ort.OrtValue] | None = None, folder: Path | None = None) -> None:
+        if folder is not None:  # where every stage's session reads its external weights (shifted ones included)
+            options.add_session_config_entry(EXTERNAL_FOLDER, str(fit_int8_gemm(model, folder).external_folder(folder)))
         self.stages = split_stages(model.graph)
         self._pools = dict(pools or {})
         self._pool_of = {c.cache_output_name(name): name for name in self._pools}
@@ -151,9 +153,8 @@ class TensorParallelExecutor:
             path = Path(artifact) / manifest.served_graph(pools.kv_cache_dtype, rank)
             options = session_options(threads)
             self.custom_ops = register_custom_ops(options, custom_ops)
-            options.add_session_config_entry(EXTERNAL_FOLDER, str(path.parent))
             self.ranks.append(RankGraph(onnx.load_model(path, load_external_data=False), options,
-                                        pool_values(pools, rank)))
+                                        pool_values(pools, rank), path.parent))
         self._run_options = run_options()
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -38,7 +38,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
 
     from pagedgraph.artifact.manifest import Manifest
     from pagedgraph.graphs.contract import DECODE, PREFILL
-    from pagedgraph.kernels.int8_gemm import session_source
+    from pagedgraph.kernels.int8_gemm import cpu_session
     from pagedgraph.runtime.bench.kernels import per_op_times, step_feed
     from pagedgraph.runtime.executor_ort import (page_out_weights, pool_values, register_custom_ops, run_options,
                                                  session_options, step_binding)
@@ -53,7 +53,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(scratch) / "profile")
         start = time.perf_counter()
-        session = ort.InferenceSession(session_source(graph, options), options, providers=["CPUExecutionProvider"])
+        session = cpu_session(graph, options)
         page_out_weights(artifact / "graphs")
         out: dict[str, Any] = {"prepack": prepack, "load_s": time.perf_counter() - start,
                                "load_peak_mib": _status_mib("VmHWM"),

@@ -21,7 +21,7 @@ from ...graphs import contract as c
 from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.quant import Weight
-from ...kernels.int8_gemm import EXTERNAL_FOLDER, fit_int8_gemm, session_source
+from ...kernels.int8_gemm import cpu_session
 
 # Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
 SLICE_BYTES = 1 << 30
@@ -53,13 +53,9 @@ class Slice:
         (docs/performance.md)."""
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
         if model is None and isinstance(self.graph, Path):
-            return ort.InferenceSession(session_source(self.graph, options), options, providers=["CPUExecutionProvider"])
-        options.add_session_config_entry(EXTERNAL_FOLDER, str(self.folder))
-        model = model or self.proto()
-        fit_int8_gemm(model)
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            return cpu_session(self.graph, ort.SessionOptions())
+        return cpu_session(model or self.proto(), ort.SessionOptions(), self.folder)
 
     @property
     def carried(self) -> list[str]:

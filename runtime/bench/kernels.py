@@ -22,7 +22,7 @@ from ...artifact.manifest import Manifest
 from ...graphs import contract as c
 from ...graphs.contract import DECODE, PREFILL, Gear
 from ...kernels.build import ort_library_path
-from ...kernels.int8_gemm import session_source
+from ...kernels.int8_gemm import cpu_session
 from ..executor_ort import pool_values, register_custom_ops, run_options, session_options, step_binding
 from ..executors import CustomOps
 from ..kv_pools import KVPools
@@ -57,7 +57,7 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             out["custom_ops"] = register_custom_ops(options, custom_ops)
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(scratch) / "profile")
-            session = ort.InferenceSession(session_source(graph, options), options, providers=["CPUExecutionProvider"])
+            session = cpu_session(graph, options)
             logits = np.zeros((gear.seqs, manifest.model.vocab_size), np.float32)
             pools = KVPools(manifest, gear.blocks + 1)  # the graph's own cache dtype (auto)
             # Bound as the engine runs a step: the pools in place (a plain run copies every pool per layer).

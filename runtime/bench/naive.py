@@ -18,7 +18,7 @@ import onnxruntime as ort
 from ...artifact.manifest import ArtifactError, Manifest, kv_variant
 from ...graphs import contract as c
 from ...graphs.kv_cache import cache_format
-from ...kernels.int8_gemm import session_source
+from ...kernels.int8_gemm import cpu_session
 from .metrics import RunRecord
 from .workloads import BenchRequest
 from ..executor_ort import session_options
@@ -38,9 +38,7 @@ class NaiveRunner:
         if graph not in manifest.files:
             raise ArtifactError(f"{artifact} has no {graph}; re-export it with `export.baseline: naive` in the "
                                 f"export YAML (or `pagedgraph export --baseline naive`), or run with --baseline none")
-        options = session_options(threads)
-        self.session = ort.InferenceSession(session_source(artifact / graph, options), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = cpu_session(artifact / graph, session_options(threads))
         self.format = cache_format(dtype)
         model = manifest.model
         self.vocab_size, self.max_len, self.batch_size = model.vocab_size, manifest.max_model_len, batch_size

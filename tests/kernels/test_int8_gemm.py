@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -30,12 +31,12 @@ def test_u8u8_rewrite_is_exact_on_every_cpu() -> None:
     x, weight, scale = _saturating_case()
     k, n = weight.shape
     model = op_model(ops.LINEAR_W8A8, (x, weight, scale, None), {"K": k, "N": n})
-    assert int8_gemm.exact_int8_gemm(model) == 1
+    assert int8_gemm.exact_int8_gemm(model).nodes == 1
     node = next(node for node in model.graph.node if node.op_type == "MatMulIntegerToFloat")
     assert node.input[1] == "weight.uint8" and node.input[5]
     expected = linear_w8a8(x, weight, scale, K=k, N=n)
     np.testing.assert_allclose(_run(model.SerializeToString(), x, weight, scale), expected, rtol=1e-6, atol=1e-6)
-    assert int8_gemm.exact_int8_gemm(model) == 0  # rewritten nodes carry a weight zero point: left alone
+    assert int8_gemm.exact_int8_gemm(model).nodes == 0  # rewritten nodes carry a weight zero point: left alone
 
 
 @pytest.mark.skipif(not int8_gemm.u8s8_saturates(), reason="this CPU has VNNI: ORT's u8s8 GEMM is exact here")
@@ -66,3 +67,40 @@ def test_which_cpus_saturate(monkeypatch: pytest.MonkeyPatch, tmp_path, machine:
         assert int8_gemm.u8s8_saturates() is saturates
     finally:
         int8_gemm.u8s8_saturates.cache_clear()
+
+
+def test_external_weights_are_shifted_into_a_file_once(tmp_path) -> None:
+    """An artifact's weights are external data: their shifted copy is a file beside them, written once per weights
+    version, and the session computes exactly reading it."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    x, weight, scale = _saturating_case()
+    k, n = weight.shape
+    model = op_model(ops.LINEAR_W8A8, (x, weight, scale, None), {"K": k, "N": n})
+    feed = [i for i in model.graph.input if i.name != "weight"]
+    del model.graph.input[:]
+    model.graph.input.extend(feed)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(weight, "weight"))
+    convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
+    onnx.save_model(model, tmp_path / "model.onnx")
+    graph = tmp_path / "model.onnx"
+    expected = linear_w8a8(x, weight, scale, K=k, N=n)
+    written = []
+    for _ in range(2):
+        loaded = onnx.load_model(graph, load_external_data=False)
+        shifted = int8_gemm.exact_int8_gemm(loaded, tmp_path)
+        assert shifted.nodes == 1 and shifted.folder == tmp_path  # writable: beside weights.bin
+        options = ort.SessionOptions()
+        options.add_session_config_entry(int8_gemm.EXTERNAL_FOLDER, str(shifted.folder))
+        session = ort.InferenceSession(loaded.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        got = session.run(None, {"x": x, "scale": scale})[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+        shifted_file = tmp_path / int8_gemm.SHIFTED_FILE
+        written.append(shifted_file.stat().st_mtime_ns)
+    assert written[0] == written[1]  # the second load reused the first one's file
+    onnx.load_model(graph)  # the artifact's own weights file is untouched (onnx refuses hard-linked ones)
+    (tmp_path / "weights.bin").touch()  # a re-export: the shifted file is made again
+    int8_gemm.exact_int8_gemm(onnx.load_model(graph, load_external_data=False), tmp_path)
+    assert shifted_file.stat().st_mtime_ns != written[0]
+    int8_gemm.forget_shifted(tmp_path)
+    assert not shifted_file.exists()
