@@ -26,8 +26,8 @@ LIBRARY = "libpagedgraph_kernels.so"
 ORT_LIBRARY = "libpagedgraph_ort.so"
 # Each library's own entry points; every other .cc next to this file is a kernel source both link.
 ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
-# Only RegisterCustomOps (and PgBf16LinearSupported, PgBf16LinearImplementations) is exported: ORT loads the library beside the
-# kernels library, whose pg_* symbols must not bind to this copy's (or the reverse).
+# Only RegisterCustomOps (and PgBf16LinearSupported, PgBf16LinearImplementations) is exported: ORT loads the
+# library beside the kernels library, whose pg_* symbols must not bind to this copy's (or the reverse).
 ORT_FLAGS = ("-fvisibility=hidden",)
 # Compiled into the custom-op library only, and only with oneDNN: the kernels library must not need libdnnl.
 ONEDNN_SOURCE = "onednn_linear.cc"

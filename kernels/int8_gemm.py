@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import platform
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -37,14 +37,14 @@ from .cache import CACHE_ENV, cache_root
 
 log = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulIntegerToFloat, MatMulNBits)
 # CPU flags (Linux /proc/cpuinfo names) under which MLAS's u8s8 kernel sums its products exactly.
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
 # ONNX Runtime's session option naming the folder a graph's external weights are read from, for a graph built from
 # bytes rather than from its file.
 EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 CPUINFO = Path("/proc/cpuinfo")
-SHIFTED_DIR = "int8-gemm"  # under cache_root(): the shifted weights files, one per weights file and graph
+SHIFTED_DIR = "int8-gemm"  # under cache_root(): a folder per read-only artifact's weights version
 ALIGN = 64
 ORIGIN = "origin.txt"  # in each cache folder: the artifact folder it was made for
 _SHIFT = "pg_int8_gemm_shift"
@@ -161,8 +161,9 @@ class Shifted:
 def exact_int8_gemm(model: onnx.ModelProto, folder: Path | None = None) -> Shifted:
     """Rewrite `model`'s u8s8 `MatMulIntegerToFloat` nodes to u8u8 in place: weights + 128, zero point 128. A weight
     stored in the graph is shifted there; one in external data (in `folder`) is read shifted from a cache folder
-    (`Shifted.folder`, then the folder of all the graph's external data); one fed as a graph input (an op alone) is shifted by nodes in the graph. Only weights that nothing else
-    reads are rewritten; only the main graph holds such nodes (Linear.w8a8 lowers inline)."""
+    (`Shifted.folder`, then the folder of all the graph's external data); one fed as a graph input (an op alone) is
+    shifted by nodes in the graph. Only weights that nothing else reads are rewritten; only the main graph holds such
+    nodes (Linear.w8a8 lowers inline)."""
     graph = model.graph
     stored = {w.name: w for w in graph.initializer if w.data_type == TensorProto.INT8}
     fed = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.INT8}
@@ -206,7 +207,8 @@ def exact_int8_gemm(model: onnx.ModelProto, folder: Path | None = None) -> Shift
                     graph.initializer.append(numpy_helper.from_array(np.array(128, np.int16), _SHIFT))
                 rewritten += [helper.make_node("Cast", [weight], [f"{weight}.int16"], to=TensorProto.INT16),
                               helper.make_node("Add", [f"{weight}.int16", _SHIFT], [f"{weight}.plus128"]),
-                              helper.make_node("Cast", [f"{weight}.plus128"], [f"{weight}.uint8"], to=TensorProto.UINT8)]
+                              helper.make_node("Cast", [f"{weight}.plus128"], [f"{weight}.uint8"],
+                                               to=TensorProto.UINT8)]
             node.input[1] = f"{weight}.uint8"
         if i in targets:
             node.input.extend([""] * (6 - len(node.input)))  # up to b_zero_point (a_zero_point stays as it is)
@@ -233,12 +235,14 @@ def cpu_session(graph: Path | onnx.ModelProto, options: Any, folder: Path | None
     import onnxruntime as ort
 
     providers = ["CPUExecutionProvider"]
-    if isinstance(graph, Path):
-        folder = graph.parent
+    path = graph if isinstance(graph, Path) else None
+    if path is not None:
         if not u8s8_saturates():
-            return ort.InferenceSession(str(graph), options, providers=providers)
-        graph = onnx.load_model(graph, load_external_data=False)
+            return ort.InferenceSession(str(path), options, providers=providers)
+        folder, graph = path.parent, onnx.load_model(path, load_external_data=False)
     shifted = fit_int8_gemm(graph, folder)
+    if path is not None and not shifted.nodes:  # nothing to rewrite (no w8a8 linears): the file as it is
+        return ort.InferenceSession(str(path), options, providers=providers)
     if folder is not None:
         options.add_session_config_entry(EXTERNAL_FOLDER, str(shifted.external_folder(folder)))
     return ort.InferenceSession(graph.SerializeToString(), options, providers=providers)

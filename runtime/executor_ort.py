@@ -103,8 +103,8 @@ def unmap_large_blocks() -> None:
     malloc_trim(0)
 
 
-def page_out_weights(directory: Path) -> None:
-    """Give back the resident pages of `directory`'s files that ONNX Runtime still maps once a session is built.
+def page_out_weights(*directories: Path) -> None:
+    """Give back the resident pages of `directories`' files that ONNX Runtime still maps once a session is built.
 
     ORT maps the external weights file and keeps the mapping after prepacking a weight into its own buffer
     (MatMulNBits, Gemm): the pages prepacking read stay resident, though only the unpacked readers (the embedding's
@@ -115,13 +115,13 @@ def page_out_weights(directory: Path) -> None:
     The mappings are also advised MADV_RANDOM: the Gather reads scattered embedding rows, and a fault would read
     ahead and map up to 128 KiB around each row it touches (a run of random prompt tokens brought back nearly the
     whole float32 table; "Memory")."""
-    root = str(directory.resolve()) + "/"
+    roots = tuple(str(directory.resolve()) + "/" for directory in directories)
     ranges = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:  # "start-end perms offset dev inode path"
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].strip().startswith(root):
+                if len(fields) == 6 and fields[5].strip().startswith(roots):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
                     ranges.append((start, end))
         madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -194,8 +194,7 @@ class OrtExecutor:
         # The graph whose pools hold `kv_cache_dtype` (one per exported cache dtype, sharing the weights).
         graph = manifest.served_graph(pools.kv_cache_dtype)
         self.session = cpu_session(Path(artifact) / graph, options)
-        page_out_weights(Path(artifact) / "graphs")
-        page_out_weights(shifted_dir())
+        page_out_weights(Path(artifact) / "graphs", shifted_dir())  # shifted_dir: read-only artifacts on AVX2
         unmap_large_blocks()
         self._run_options = run_options()
         self.model = manifest.model

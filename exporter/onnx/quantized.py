@@ -21,8 +21,7 @@ from .nodes import Nodes
 from ...graphs.ops.block_minimum import BlockMinimumAttributes
 from ...graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
 from ...graphs.ops.op import NoAttributes
-
-MS_DOMAIN = "com.microsoft"
+from ...kernels.int8_gemm import MS_DOMAIN
 
 
 class OnnxGraph(Protocol):

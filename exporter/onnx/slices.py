@@ -25,7 +25,6 @@ from ...kernels.int8_gemm import cpu_session
 
 # Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
 SLICE_BYTES = 1 << 30
-# ONNX Runtime: where a model given as bytes finds its external data.
 
 
 @dataclass(frozen=True)
