@@ -263,7 +263,8 @@ def _bench(args: argparse.Namespace) -> int:
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
                            custom_ops=args.custom_ops, kv_cache_dtype=args.kv_cache_dtype, chunk_tokens=args.chunk_tokens,
                            micro=not (args.no_micro or self_compared), prefixes=args.prefixes,
-                           speculative_config=_speculative_json(args.speculative_config))
+                           speculative_config=_speculative_json(args.speculative_config),
+                           invariance_rounds=args.invariance_rounds)
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -492,6 +493,9 @@ def _parser() -> argparse.ArgumentParser:
     _kv_cache_dtype_flag(p, "auto", "KV cache of the paged engine and the naive baseline")
     _speculative_flag(p, " for the paged engine; the same workload also runs without it, in the same invocation "
                          "(default: off)")
+    p.add_argument("--batch-invariance-cost", type=int, dest="invariance_rounds", default=0, metavar="ROUNDS",
+                   help="also run ROUNDS rounds of the workload with scheduler.batch_invariant on and off, alternating, "
+                        "on two warmed engines: its throughput cost as a ratio (default: 0, not run)")
     p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",

@@ -9,16 +9,18 @@ from typing import Any
 
 from .exporter.export import family_summary
 from .artifact.manifest import MANIFEST, Manifest, file_sha256
-from .graphs.contract import PREFILL
+from .graphs.contract import DECODE, PREFILL
 
 
 def speculation(manifest: Manifest) -> dict[str, Any]:
-    """The gears speculative decoding verifies in (runtime/spec): the small prefill gears of
-    export.buckets.verify_tokens, and the most drafts one sequence can send (K+1 logits rows in one gear)."""
+    """The gears speculative decoding verifies in (runtime/spec): with scheduler.batch_invariant (the default) the
+    decode gears, one row per verified token; without it, the small prefill gears of export.buckets.verify_tokens.
+    Also the most drafts one sequence can send (K+1 logits rows in one gear)."""
     prefill = manifest.families[PREFILL].gears
     small = sorted(manifest.export_config.get("export", {}).get("buckets", {}).get("verify_tokens") or [])
     return {"verify_tokens": small, "gears": len([g for g in prefill if g.tokens in small]),
             "max_num_speculative_tokens": max(g.seqs for g in prefill) - 1,
+            "k_at_b1_in_decode_gears": max(g.seqs for g in manifest.families[DECODE].gears) - 1,
             "k_at_b1_in_smallest_gear": min(g.tokens for g in prefill) - 1}
 
 
@@ -74,9 +76,10 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
             lines += [f"                {name} T={t} B={b} M={mb}" for t, b, mb in family["gear_list"]]
     spec = record["speculation"]
     small = ", ".join(f"T={t}" for t in spec["verify_tokens"]) or "none (export.buckets.verify_tokens)"
-    lines.append(f"speculation   verification gears {small}; num_speculative_tokens at most "
-                 f"{spec['max_num_speculative_tokens']} (K+1 logits rows), {spec['k_at_b1_in_smallest_gear']} at B=1 "
-                 f"in the smallest prefill gear")
+    lines.append(f"speculation   verified as decode rows in the decode gears (K up to {spec['k_at_b1_in_decode_gears']} "
+                 f"at B=1); with scheduler.batch_invariant false, in prefill gears {small}; num_speculative_tokens "
+                 f"at most {spec['max_num_speculative_tokens']} (K+1 logits rows), "
+                 f"{spec['k_at_b1_in_smallest_gear']} at B=1 in the smallest prefill gear")
     if tp["size"] > 1:
         lines.append(f"tensor        parallel over {tp['size']} ranks (graphs and weights per rank; embedding, LM head "
                      "and norms replicated)")

@@ -456,9 +456,6 @@ class LLMEngine:
     def _batch_variance(self) -> str | None:
         if not self.scheduler.batch_invariant:
             return "scheduler.batch_invariant is false"
-        if self.speculator is not None:
-            return ("speculative decoding verifies drafts as prompt rows, which reduce another way than decode rows, "
-                    "and drafts follow the batch (disable_by_batch_size)")
         if self.executor_name != "onnxruntime":
             return f"not checked on the {self.executor_name} executor"
         if self.executor.custom_ops is False:

@@ -9,6 +9,7 @@ from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import DECODE, PREFILL, Gear
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
 
 
 class NoGearError(RuntimeError):
@@ -22,27 +23,38 @@ class Packer:
         """`batch_invariant` on an artifact with block-quantized linears (`Manifest.block_quantized`): every step
         runs a gear of even T and B where one fits. ONNX Runtime's MatMulNBits computes rows in pairs and a lone
         last row another way (docs/performance.md, "Batch invariance"), so a single decode pads to two rows and
-        gets the logits it gets inside a batch. Dense linears compute each row alike at any M: no padding."""
+        gets the logits it gets inside a batch. Dense linears compute each row alike at any M: no padding.
+
+        `batch_invariant` also feeds a verification's K+1 tokens (a sequence with drafts) as K+1 one-query
+        sequences sharing its block table, with context lengths of one more key each: PagedAttention computes each
+        as the decode row a plain run would have computed for that token, where a sequence of K+1 queries would
+        be a prompt tile, another reduction. So greedy output with speculation is the plain run's at every
+        precision, and a step of decodes and verifications runs a decode gear."""
         self.block_size = manifest.block_size
         self.even_gears = batch_invariant and manifest.block_quantized
+        self.verify_as_decode = batch_invariant
         self._passes = (True, False) if self.even_gears else (False,)  # where no even gear fits, an odd one serves
         self.gears = {name: sorted(f.gears) for name, f in manifest.families.items()}
         self.buffers: dict[Gear, dict[str, np.ndarray]] = {}
         self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
 
     def select(self, batch: ScheduledBatch) -> tuple[str, Gear]:
-        """The smallest gear that fits: decode family when every sequence feeds one token."""
-        family = DECODE if all(n == 1 for n in batch.num_tokens) else PREFILL
+        """The smallest gear that fits: decode family when every sequence feeds one token or verifies its drafts as
+        decode rows (then the prefill family where no decode gear is wide enough)."""
+        pairs = list(zip(batch.seqs, batch.num_tokens))
+        decodes = all(n == 1 or self._as_decode(s) for s, n in pairs)
+        families = (DECODE,) if all(n == 1 for _, n in pairs) else (DECODE, PREFILL) if decodes else (PREFILL,)
         tokens, seqs = batch.total_tokens, batch.num_logits_rows
         blocks = max(len(s.block_table) for s in batch.seqs)
-        gears = self.gears[family]
-        start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
-        for even in self._passes:
-            for gear in gears[start:]:
-                if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
-                        not even or gear.tokens % 2 == gear.seqs % 2 == 0):
-                    return family, gear
-        raise NoGearError(f"no {family} gear holds T={tokens}, B={seqs}, M={blocks}; "
+        for family in families:
+            gears = self.gears[family]
+            start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
+            for even in self._passes:
+                for gear in gears[start:]:
+                    if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
+                            not even or gear.tokens % 2 == gear.seqs % 2 == 0):
+                        return family, gear
+        raise NoGearError(f"no {families[-1]} gear holds T={tokens}, B={seqs}, M={blocks}; "
                           f"the scheduler limits must stay within the exported ladders")
 
     def odd_widest_gears(self) -> list[Gear]:
@@ -52,6 +64,9 @@ class Packer:
             return []
         widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
         return [g for g in widest if g.tokens % 2 or g.seqs % 2]
+
+    def _as_decode(self, seq: Sequence) -> bool:
+        return self.verify_as_decode and seq.num_draft_tokens > 0
 
     def _buffers(self, gear: Gear) -> dict[str, np.ndarray]:
         buffers = self.buffers.get(gear)
@@ -67,11 +82,11 @@ class Packer:
         cu, logits_indices = buf[c.CU_SEQLENS_Q], buf[c.LOGITS_INDICES]
         bs = self.block_size
         tables.fill(c.NULL_BLOCK)
-        row = 0
+        row = part = 0  # part: the attention's sequence index (several per sequence verified as decode rows)
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
             table = seq.block_table
-            tables[b, :len(table)] = table
+            tables[part, :len(table)] = table
             if n == 1:
                 ids[row] = seq.token_ids[start]
                 positions[row] = start
@@ -80,17 +95,24 @@ class Packer:
                 ids[row:row + n] = seq.token_ids[start:start + n]
                 pos = positions[row:row + n]
                 np.add(self._arange[:n], start, out=pos)
-                np.add(tables[b, pos // bs].astype(np.int64) * bs, pos % bs, out=slots[row:row + n])
-            cu[b] = row
+                np.add(tables[part, pos // bs].astype(np.int64) * bs, pos % bs, out=slots[row:row + n])
+            if n > 1 and self._as_decode(seq):
+                tables[part + 1:part + n] = tables[part]
+                np.add(self._arange[:n], row, out=cu[part:part + n], casting="unsafe")
+                np.add(self._arange[:n], start + 1, out=context_lens[part:part + n], casting="unsafe")
+                part += n
+            else:
+                cu[part] = row
+                context_lens[part] = start + n
+                part += 1
             row += n
-            context_lens[b] = start + n
             logits_indices[b] = row - 1
-        real = len(batch.seqs)
         ids[row:] = 0
         positions[row:] = 0
         slots[row:] = c.NULL_BLOCK * bs
-        cu[real:] = row
-        context_lens[real:] = 0
+        cu[part:] = row
+        context_lens[part:] = 0
+        real = len(batch.seqs)
         rows = real + batch.token_rows
         if batch.token_rows:
             self._token_rows(batch, logits_indices[real:rows])

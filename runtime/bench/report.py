@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 Row = tuple[str, str, str, str]  # figure, paged, comparison, paged / comparison
 
 _FIGURES: list[tuple[str, str, Callable[[float], str]]] = [
@@ -61,6 +63,11 @@ def rows(results: dict[str, Any]) -> tuple[str, list[Row]]:
         table.append(_row("speculation: acceptance rate", spec["acceptance_rate"], None, lambda v: f"{v:.3f}"))
         table.append(_row("speculation: mean acceptance length", spec["mean_acceptance_length"], None,
                           lambda v: f"{v:.2f}"))
+    cost = results.get("batch_invariance_cost")
+    if cost is not None:
+        table.append(_row(f"batch_invariant on / off: throughput tok/s, means of {cost['rounds']} rounds",
+                          float(np.mean(cost["throughput_tok_s_on"])), float(np.mean(cost["throughput_tok_s_off"])),
+                          lambda v: f"{v:.1f}"))
     for ctx, seconds in results.get("decode_step_s", {}).items():
         table.append(_row(f"decode step s, B={results['options']['decode_batch']}, context {ctx}", seconds,
                           results.get("naive_decode_step_s", {}).get(ctx), lambda v: f"{v:.4f}"))

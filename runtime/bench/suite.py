@@ -57,6 +57,9 @@ class BenchOptions:
     chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
     # The paged engine's speculative_config (runtime/spec/config.py); the workload then also runs without it.
     speculative_config: dict[str, Any] | None = None
+    # > 0: also this many rounds of the workload (seed + 1 + round) on two warmed engines, scheduler.batch_invariant
+    # on and off, in alternating order: the cost of batch invariance as a ratio.
+    invariance_rounds: int = 0
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
     contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...
@@ -163,6 +166,9 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
                        speedup_vs_spec_off=results["output_tok_s"] / off["output_tok_s"],
                        outputs_equal_spec_off=paged.outputs == off_record.outputs)
         gc.collect()
+    if options.invariance_rounds:
+        results["batch_invariance_cost"] = _invariance_cost(options, log)
+        gc.collect()
     if options.workload == "shared-prefix":
         print("paged engine, prefix caching off ...", file=log)
         off = run_engine(_engine(options, log, enable_prefix_caching=False)[0], requests).figures()
@@ -187,6 +193,26 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
         results["kernels"] = profile_kernels(Path(options.artifact), options.threads, options.custom_ops)
     results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     return results
+
+
+def _invariance_cost(options: BenchOptions, log: TextIO) -> dict[str, Any]:
+    """Throughput with scheduler.batch_invariant on against off. Both engines are warmed first; each round's
+    requests (a fresh seed: no prefix hits on earlier rounds) run on both, first on then off, then the other way
+    round, so a slow spell of the machine falls on both sides alike."""
+    engines = {on: _engine(options, log, batch_invariant=on)[0] for on in (True, False)}
+    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    for r in range(options.invariance_rounds):
+        requests = _requests(replace(options, seed=options.seed + 1 + r), engines[True])
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            print(f"round {r + 1}/{options.invariance_rounds}: batch_invariant {'on' if on else 'off'} ...", file=log)
+            runs[on].append(run_engine(engines[on], requests).figures())
+    tok_s = {on: [f["throughput_tok_s"] for f in figures] for on, figures in runs.items()}
+    cpu_s = {on: [f["cpu_s"] for f in figures] for on, figures in runs.items()}
+    return {"rounds": options.invariance_rounds, "throughput_tok_s_on": tok_s[True],
+            "throughput_tok_s_off": tok_s[False], "cpu_s_on": cpu_s[True], "cpu_s_off": cpu_s[False],
+            "ratio_per_round": [a / b for a, b in zip(tok_s[True], tok_s[False])],
+            "throughput_ratio": float(np.mean(tok_s[True]) / np.mean(tok_s[False])),
+            "cpu_ratio": float(np.mean(cpu_s[False]) / np.mean(cpu_s[True]))}
 
 
 def _stress(options: BenchOptions, log: TextIO) -> dict[str, Any]:

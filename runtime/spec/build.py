@@ -38,10 +38,13 @@ def check_query_buckets(spec: SpeculativeConfig, max_rows: int, artifact: object
 
 
 def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
-    """The draft artifact in an engine of the target's own class and settings (the engine's EngineConfig)."""
+    """The draft artifact in an engine of the target's own class and settings (the engine's EngineConfig), but not
+    batch-invariant: its rows only propose, the target's verification decides every token, so the draft's single
+    decodes take the B=1 gear (block-quantized drafts would pad them to two rows)."""
     assert spec.model is not None
     draft = type(target)(spec.model, replace(config, speculative_config=None, gears=None,
-                                              max_model_len=target.max_model_len, kv_cache_dtype="auto"))
+                                              max_model_len=target.max_model_len, kv_cache_dtype="auto",
+                                              batch_invariant=False))
     problems = []
     if draft.model.vocab_size != target.model.vocab_size:
         problems.append(f"its vocabulary has {draft.model.vocab_size} entries, the target's {target.model.vocab_size}")

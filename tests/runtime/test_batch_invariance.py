@@ -5,7 +5,9 @@ at other places), then after part of it and all of it are cached: its tokens and
 every time, bit for bit. Logprobs make the check strict: a difference in the last float bit shows here long before
 it flips a greedy token (docs/performance.md, "Batch invariance", found the sources op by op with
 scripts/batch_invariance.py). The prompt is 49 tokens, one past a block boundary, so a full prefix hit leaves one
-token to compute: the scheduler must recompute a block with it (runtime/scheduler.py).
+token to compute: the scheduler must recompute a block with it (runtime/scheduler.py). With n-gram speculation on,
+a prompt that repeats itself gets its plain run's tokens and logprobs too, alone and beside others, drafts kept and
+drafts rejected (runtime/packer.py verifies drafts as decode rows).
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from tests.conftest import TEST_EXPORT, short_calibration
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 # Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
-# dtype, w8a16 and w4a16; the others are tests/conftest.py's.
+# dtype, w8a16, w4a16 and the GGUF's blocks at the export's default accuracy_level (int8 activations; tests/conftest.py's
+# gguf artifact computes in float32); the others are tests/conftest.py's.
 CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat16"),
          ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
          ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "w4a16_artifact", "float32"),
-         ("gguf", "smollm2_gguf_artifact", "float32")]
+         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32")]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
 
@@ -58,6 +62,11 @@ def w4a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _export(tmp_path_factory.mktemp("w4a16"), {"quantization": "w4a16"}, {})
 
 
+@pytest.fixture(scope="module")
+def gguf_int8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tmp_path_factory.mktemp("gguf-int8"), {"quantization": "gguf"}, {})
+
+
 def _prompts(llm: LLM) -> tuple[list[int], list[list[int]]]:
     """The prompt under test (49 tokens) and 16 others of 20 to 110 tokens."""
     ids = llm.engine.tokenizer.encode(shipped_text("heldout"))
@@ -70,13 +79,19 @@ def _result(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
     return out.token_ids, out.logprobs
 
 
-@pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=[f"{p}-{kv}" for p, _, kv in CASES])
+def _config(kv_cache_dtype: str) -> dict:
+    """A small step budget chunks the prompt differently in each batch; threads as CI has them."""
+    return dict(kv_cache_dtype=kv_cache_dtype, num_blocks=256, max_num_batched_tokens=256, threads=2, custom_ops="on")
+
+
+IDS = [f"{p}-{kv}" for p, _, kv in CASES]
+
+
+@pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=IDS)
 def test_a_prompt_gets_its_solo_tokens_in_any_batch_chunking_and_prefix_hit(
         precision: str, fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> None:
     artifact = request.getfixturevalue(fixture)
-    # A small step budget chunks the prompt differently in each batch; threads as CI has them.
-    config = dict(kv_cache_dtype=kv_cache_dtype, num_blocks=256, max_num_batched_tokens=256, threads=2,
-                  custom_ops="on")
+    config = _config(kv_cache_dtype)
     llm = LLM(artifact, enable_prefix_caching=False, **config)
     target, others = _prompts(llm)
     solo = _result(llm.generate([target], GREEDY)[0])
@@ -87,3 +102,19 @@ def test_a_prompt_gets_its_solo_tokens_in_any_batch_chunking_and_prefix_hit(
     for hit in (32, 32):  # the second run hits three blocks but must recompute the third with the last token
         out = cached.generate([target], GREEDY)[0]
         assert _result(out) == solo and out.num_cached_tokens == hit, f"after a prefix hit of {out.num_cached_tokens}"
+
+
+@pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=IDS)
+def test_speculation_gets_the_plain_runs_tokens_and_logprobs(
+        precision: str, fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> None:
+    artifact = request.getfixturevalue(fixture)
+    config = _config(kv_cache_dtype)
+    plain = LLM(artifact, enable_prefix_caching=False, **config)
+    target, others = _prompts(plain)
+    target = target * 2  # its second half invites drafts from the first
+    solo = _result(plain.generate([target], GREEDY)[0])
+    spec = LLM(artifact, enable_prefix_caching=False, speculative_config=NGRAM, **config)
+    for n in (0, 2):
+        assert _result(spec.generate(others[:n] + [target], GREEDY)[-1]) == solo, f"speculating beside {n} others"
+    stats = spec.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts must be both kept and rejected here"

@@ -92,6 +92,16 @@ def test_shared_prefix_compares_cache_on_and_off(smollm2_artifact: Path) -> None
     assert "naive" not in results and "decode_step_s" not in results
 
 
+def test_batch_invariance_cost_alternates_both_engines_on_fresh_requests(smollm2_artifact: Path) -> None:
+    options = BenchOptions(str(smollm2_artifact), requests=3, prompt_range=(8, 40), output_range=(2, 4), baseline=None,
+                           micro=False, invariance_rounds=2)
+    results = run_bench(options)
+    cost = results["batch_invariance_cost"]
+    assert len(cost["throughput_tok_s_on"]) == len(cost["throughput_tok_s_off"]) == len(cost["ratio_per_round"]) == 2
+    assert cost["throughput_ratio"] > 0 and cost["cpu_ratio"] > 0
+    assert "batch_invariant on / off" in text_table(results)
+
+
 def test_naive_baseline_generates_what_the_engine_generates(smollm2_artifact: Path) -> None:
     """The contiguous-cache lowering of the same model: greedy tokens equal the paged engine's."""
     engine = LLMEngine(smollm2_artifact)

@@ -17,11 +17,15 @@ MODEL = ModelConfig("llama", vocab_size=100, hidden_size=32, intermediate_size=6
                     tie_word_embeddings=True)
 
 
-def _packer() -> Packer:
+def _manifest() -> Manifest:
     prefill = tuple(Gear(t, 4, m) for t in (8, 32) for m in (2, 4))
     decode = tuple(Gear(b, b, m) for b in (2, 4) for m in (2, 4))
     families = {PREFILL: Family("graphs/model.onnx", prefill), DECODE: Family("graphs/model.onnx", decode)}
-    return Packer(Manifest(MODEL, 16, 64, "float32", families, {}))
+    return Manifest(MODEL, 16, 64, "float32", families, {})
+
+
+def _packer() -> Packer:
+    return Packer(_manifest())
 
 
 def _seq(tokens: list[int], computed: int, table: list[int]) -> Sequence:
@@ -83,3 +87,29 @@ def test_batch_invariant_selection_runs_even_gears_where_one_fits() -> None:
     assert invariant.odd_widest_gears() == [Gear(3, 3, 2)]
     unpadded = Packer(dense, batch_invariant=True)
     assert unpadded.select(one)[1] == Gear(1, 1, 2) and unpadded.odd_widest_gears() == []
+
+
+def test_batch_invariant_feeds_drafts_as_decode_rows_of_one_block_table() -> None:
+    """A verification of 2 drafts becomes 3 one-query sequences (context 3, 4, 5) sharing the block table, so
+    PagedAttention computes each as a plain decode row; the logits rows stay per sequence, then per draft."""
+    verify = _seq([1, 2, 3, 4, 5], 2, [6])
+    verify.num_draft_tokens = 2
+    decode = _seq([7, 8], 1, [9])
+    batch = ScheduledBatch([verify, decode], [3, 1], token_rows=2)
+    packer = Packer(_manifest(), batch_invariant=True)
+    family, gear = packer.select(batch)
+    assert (family, gear) == (DECODE, Gear(4, 4, 2))
+    buf = packer.pack(batch, gear)
+    np.testing.assert_array_equal(buf[c.INPUT_IDS], [3, 4, 5, 8])
+    np.testing.assert_array_equal(buf[c.SLOT_MAPPING], [98, 99, 100, 145])
+    np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [3, 4, 5, 2])
+    np.testing.assert_array_equal(buf[c.BLOCK_TABLES], [[6, 0], [6, 0], [6, 0], [9, 0]])
+    np.testing.assert_array_equal(buf[c.LOGITS_INDICES], [2, 3, 0, 1])
+    fresh = _seq(list(range(20, 30)), 0, [11])  # a prompt chunk in the step: the prefill family, same layout
+    mixed = ScheduledBatch([verify, fresh], [3, 10], token_rows=2)
+    assert packer.select(mixed)[0] == PREFILL
+    buf = packer.pack(mixed, packer.select(mixed)[1])
+    np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 1, 2, 3, 13])
+    np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [3, 4, 5, 10])
+    assert Packer(_manifest()).select(batch)[0] == PREFILL  # without batch invariance: one sequence of 3 queries

@@ -72,3 +72,4 @@ def test_inspect_shows_the_speculation_gears() -> None:
     record = speculation(manifest)
     assert record["verify_tokens"] == [8, 16] and record["max_num_speculative_tokens"] == 15
     assert record["k_at_b1_in_smallest_gear"] == 63  # the manifest's smallest prefill gear is T=64
+    assert record["k_at_b1_in_decode_gears"] == max(g.seqs for g in manifest.families["decode"].gears) - 1
