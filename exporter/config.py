@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 
 from ..artifact.settings import ConfigError, Settings, validate
 from ..graphs.kv_cache import KV_CACHE_DTYPES, KVCacheDType
-from ..kernels.build import onednn_missing
+from ..cpu_kernels.build import onednn_missing
 
 # Dense where steps are large (MindIE: 1, 2, 4, then steps of 8): padding stays under ~15% of real tokens.
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)

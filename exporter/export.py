@@ -24,7 +24,7 @@ from ..artifact.manifest import (MANIFEST, Family, Manifest, RankLayout, content
                                  kv_variant, rank_file, rank_folder)
 from ..artifact.mindir import INDEX as MINDIR_INDEX
 from ..artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
-from ..kernels.int8_gemm import SHIFTED_FILE, forget_shifted
+from ..cpu_kernels.int8_gemm import SHIFTED_FILE, forget_shifted
 from .buckets import plan_gears
 from .checkpoint import read_checkpoint
 from .checkpoint.base import Checkpoint
@@ -152,7 +152,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
                 _write_naive(model, options.block_size, staging, kv_cache_dtype, config.model.dtype)
         write_tokenizer(checkpoint.tokenizer, staging)
         (staging / "export_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-        _drop_shifted(staging)  # the calibration's, on a CPU whose int8 GEMM is rewritten (kernels/int8_gemm.py)
+        _drop_shifted(staging)  # the calibration's, on a CPU whose int8 GEMM is rewritten (cpu_kernels/int8_gemm.py)
         files = _checksums(staging, log)
         manifest = Manifest(
             model=model, block_size=options.block_size, max_model_len=options.max_model_len, dtype=config.model.dtype,

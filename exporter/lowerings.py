@@ -23,8 +23,8 @@ def lowerings() -> list[Lowering[Any]]:
     from .mindspore.cpu_ops import MINDSPORE_CPU
     from .onnx.contiguous import CONTIGUOUS
     from .onnx.lowering import ONNX
-    from ..kernels.binding import KERNELS
-    from ..kernels.ort_ops import ORT_CUSTOM_OPS
+    from ..cpu_kernels.binding import KERNELS
+    from ..cpu_kernels.ort_ops import ORT_CUSTOM_OPS
 
     return [ONNX, ORT_CUSTOM_OPS, CONTIGUOUS, MINDSPORE_CPU, MINDSPORE_ASCEND, KERNELS]
 

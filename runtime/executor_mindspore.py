@@ -17,8 +17,8 @@ import numpy as np
 from ..artifact.manifest import ArtifactError, Manifest
 from ..artifact.mindir import MindirIndex, import_mindspore
 from ..graphs.contract import Gear
-from ..kernels.binding import set_threads
-from ..kernels.build import library_path
+from ..cpu_kernels.binding import set_threads
+from ..cpu_kernels.build import library_path
 from .kv_pools import KVPools
 
 

@@ -7,7 +7,7 @@ IOBinding per gear is built once and reused, its input OrtValues wrapping the pa
 buffers (refilled in place).
 
 With pagedgraph's custom-op library registered, PagedAttention, ReshapeAndCache, SelfAttention, Rope
-and SwiGLU each run as one C++ kernel (kernels/ort_ops.cc) instead of their inlined function bodies:
+and SwiGLU each run as one C++ kernel (cpu_kernels/ort_ops.cc) instead of their inlined function bodies:
 ORT prefers a registered kernel to a model-local function, so the artifact stays unchanged.
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import Gear
-from ..kernels.build import KernelBuildError, ort_library_path
-from ..kernels.int8_gemm import cpu_session, shifted_dir
-from ..kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
-from ..kernels.ort_ops import bf16_linear_supported
+from ..cpu_kernels.build import KernelBuildError, ort_library_path
+from ..cpu_kernels.int8_gemm import cpu_session, shifted_dir
+from ..cpu_kernels.ort_headers import FETCH_COMMAND, OrtHeaderError
+from ..cpu_kernels.ort_ops import bf16_linear_supported
 from .kv_pools import KVPools
 
 log = logging.getLogger(__name__)

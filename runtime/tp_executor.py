@@ -24,7 +24,7 @@ from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs import ops
 from ..graphs.contract import Gear
-from ..kernels.int8_gemm import EXTERNAL_FOLDER, fit_int8_gemm
+from ..cpu_kernels.int8_gemm import EXTERNAL_FOLDER, fit_int8_gemm
 from .executor_ort import CustomOps, pool_values, register_custom_ops, run_options, session_options
 from .kv_pools import KVPools
 

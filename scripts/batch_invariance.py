@@ -38,7 +38,7 @@ from pagedgraph.graphs.kv_cache import KV_CACHE_DTYPES, cache_format, int8_param
 from pagedgraph.graphs.ops.linear_bf16 import to_bfloat16
 from pagedgraph.graphs.ops.op import Op
 from pagedgraph.graphs.quant import Int8PerChannel, graph_arrays, int8_graph_arrays
-from pagedgraph.kernels.int8_gemm import fit_int8_gemm
+from pagedgraph.cpu_kernels.int8_gemm import fit_int8_gemm
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 576, 1536, 49152, 9, 3, 64, 16
 BATCHES = (2, 7, 16, 17, 64, 65, 300, 2048)
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     library = None
     if args.custom_ops == "on":
-        from pagedgraph.kernels.build import ort_library_path
+        from pagedgraph.cpu_kernels.build import ort_library_path
         library = str(ort_library_path())
     rng = np.random.default_rng(0)
     failed = False  # a row that differs where the runtime relies on it (runtime/packer.py: even M is padded for)

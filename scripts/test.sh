@@ -5,9 +5,9 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore,fleet]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
 # CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
-python -m pagedgraph.kernels.ort_headers
+python -m pagedgraph.cpu_kernels.ort_headers
 # oneDNN (Debian's libdnnl-dev: headers + libdnnl, an OpenMP build) for the bfloat16 GEMM custom op
-# (kernels/onednn_linear.cc); PyPI's onednn wheels are SYCL/TBB builds that need Intel's runtimes beside them.
+# (cpu_kernels/onednn_linear.cc); PyPI's onednn wheels are SYCL/TBB builds that need Intel's runtimes beside them.
 if ! [ -f /usr/include/oneapi/dnnl/dnnl.hpp ]; then
   as_root=""; [ "$(id -u)" -eq 0 ] || as_root="sudo"
   { $as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq libdnnl-dev; } ||

@@ -120,7 +120,7 @@ def missing_toolchain(what: str, error: Exception) -> NoReturn:
 @pytest.fixture(scope="session")
 def kernel_library() -> Path:
     """pagedgraph's C++ kernels, built once (needs a C++ compiler)."""
-    from pagedgraph.kernels.build import KernelBuildError, library_path
+    from pagedgraph.cpu_kernels.build import KernelBuildError, library_path
 
     try:
         return library_path()
@@ -131,9 +131,9 @@ def kernel_library() -> Path:
 @pytest.fixture(scope="session")
 def custom_op_library() -> Path:
     """The ONNX Runtime custom-op library, fetching its header once if needed."""
-    from pagedgraph.kernels import ort_headers
-    from pagedgraph.kernels.build import KernelBuildError, ort_library_path
-    from pagedgraph.kernels.cache import cache_root
+    from pagedgraph.cpu_kernels import ort_headers
+    from pagedgraph.cpu_kernels.build import KernelBuildError, ort_library_path
+    from pagedgraph.cpu_kernels.cache import cache_root
 
     try:
         ort_headers.ensure(cache_root())
@@ -145,7 +145,7 @@ def custom_op_library() -> Path:
 @pytest.fixture(scope="session")
 def onednn_custom_op_library(custom_op_library: Path) -> Path:
     """The custom-op library with its oneDNN ops (Linear.bfloat16): needs oneDNN's headers (libdnnl-dev)."""
-    from pagedgraph.kernels.build import onednn_missing
+    from pagedgraph.cpu_kernels.build import onednn_missing
 
     missing = onednn_missing()
     if missing:

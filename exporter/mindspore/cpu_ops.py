@@ -1,7 +1,7 @@
 """The MindSpore CPU lowering: standard ops plus pagedgraph's C++ kernels as `ops.Custom(func_type="aot")`.
 
 MindSpore has no CPU kernels for its own PagedAttention/ReshapeAndCache, so the fused ops run
-kernels/ through the AOT interface. Float32; pools are [num_slots, kv_heads*head_dim] graph inputs
+cpu_kernels/ through the AOT interface. Float32; pools are [num_slots, kv_heads*head_dim] graph inputs
 written in place. Each body is a Cell built from the op's attributes; construct is graph code,
 parsed by GRAPH_MODE, not run by Python. Attributes reach the kernels as constant inputs.
 """
@@ -128,10 +128,10 @@ for _op in (op_set.LINEAR_W8A8, op_set.DYNAMIC_QUANT):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend only); w8a8 "
                               "artifacts are ONNX only (export refuses mindir with a quantization)")
 for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
-    MINDSPORE_CPU.refuse(_op, "the MindSpore CPU graphs compute float32 (kernels/mindspore_aot.cc); bfloat16 compute "
+    MINDSPORE_CPU.refuse(_op, "the MindSpore CPU graphs compute float32 (cpu_kernels/mindspore_aot.cc); bfloat16 compute "
                               "on CPU is the ONNX graphs' (oneDNN); export refuses mindir with model.dtype bfloat16")
 for _write, _attend in (op_set.KV_CACHE_OPS[d] for d in ("bfloat16", "float16", "int8")):
     for _op in (_write, _attend):
-        MINDSPORE_CPU.refuse(_op, "float32 pools only (kernels/mindspore_aot.cc); the ONNX graphs serve other caches")
+        MINDSPORE_CPU.refuse(_op, "float32 pools only (cpu_kernels/mindspore_aot.cc); the ONNX graphs serve other caches")
 MINDSPORE_CPU.refuse(op_set.ALL_REDUCE, "the CPU MINDIR is single-device (export refuses export.tensor_parallel_size "
                                         "> 1 with target cpu); tensor-parallel MINDIR is the Ascend target's (HCCL)")

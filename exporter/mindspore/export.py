@@ -253,7 +253,7 @@ def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, scratch: Path) -> 
     """Record llama.build against the target's lowering and instantiate the generated Cell."""
     if job.target == "cpu":
         from .cpu_ops import MINDSPORE_CPU
-        from ...kernels.build import library_path
+        from ...cpu_kernels.build import library_path
 
         lowering, ms_target = MINDSPORE_CPU, MindSporeTarget("cpu", library=library_path(), dtype=job.dtype)
     else:

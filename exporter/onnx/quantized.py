@@ -21,7 +21,7 @@ from .nodes import Nodes
 from ...graphs.ops.block_minimum import BlockMinimumAttributes
 from ...graphs.ops.linear_w8a8 import ROW_MAX_FLOOR
 from ...graphs.ops.op import NoAttributes
-from ...kernels.int8_gemm import MS_DOMAIN
+from ...cpu_kernels.int8_gemm import MS_DOMAIN
 
 
 class OnnxGraph(Protocol):

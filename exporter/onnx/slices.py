@@ -21,7 +21,7 @@ from ...graphs import contract as c
 from ...graphs import llama
 from ...graphs.config import ModelConfig
 from ...graphs.quant import Weight
-from ...kernels.int8_gemm import cpu_session
+from ...cpu_kernels.int8_gemm import cpu_session
 
 # Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
 SLICE_BYTES = 1 << 30

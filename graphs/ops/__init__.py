@@ -26,7 +26,7 @@ from .split import SPLIT, split
 from .swiglu import SWIGLU, swiglu
 
 OP_SET_VERSION = 1
-# The ONNX domain of the op set's nodes and functions (ATB's name for it); kernels/ort_ops.cc registers its custom
+# The ONNX domain of the op set's nodes and functions (ATB's name for it); cpu_kernels/ort_ops.cc registers its custom
 # ops under the same string.
 OP_SET_DOMAIN = "atb"
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.

@@ -21,8 +21,8 @@ import onnxruntime as ort
 from ...artifact.manifest import Manifest
 from ...graphs import contract as c
 from ...graphs.contract import DECODE, PREFILL, Gear
-from ...kernels.build import ort_library_path
-from ...kernels.int8_gemm import cpu_session
+from ...cpu_kernels.build import ort_library_path
+from ...cpu_kernels.int8_gemm import cpu_session
 from ..executor_ort import pool_values, register_custom_ops, run_options, session_options, step_binding
 from ..executors import CustomOps
 from ..kv_pools import KVPools

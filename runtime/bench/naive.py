@@ -18,7 +18,7 @@ import onnxruntime as ort
 from ...artifact.manifest import ArtifactError, Manifest, kv_variant
 from ...graphs import contract as c
 from ...graphs.kv_cache import cache_format
-from ...kernels.int8_gemm import cpu_session
+from ...cpu_kernels.int8_gemm import cpu_session
 from .metrics import RunRecord
 from .workloads import BenchRequest
 from ..executor_ort import session_options

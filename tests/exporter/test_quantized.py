@@ -23,7 +23,7 @@ from pagedgraph.graphs import quant
 from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.graphs.quant import BlockQuantized, Int8PerChannel
 from pagedgraph.artifact.settings import ConfigError, validate
-from pagedgraph.kernels.int8_gemm import fit_int8_gemm
+from pagedgraph.cpu_kernels.int8_gemm import fit_int8_gemm
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

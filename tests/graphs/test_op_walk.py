@@ -14,7 +14,7 @@ that lacks a body fails the registry check below. How each lowering runs one op:
 - mindspore-ascend: no Ascend device here, so the body Cell is exported to MINDIR in float16 (bfloat16 for
   the bfloat16 cache variants; MindSpore infers every primitive's types and shapes) and the primitives are
   read back;
-- kernels: the C API through ctypes (kernels/binding.py).
+- kernels: the C API through ctypes (cpu_kernels/binding.py).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from pagedgraph.graphs.contract import INPUT_IDS
 from pagedgraph.graphs.kv_cache import cache_format
 from pagedgraph.graphs.ops import OPS
 from pagedgraph.graphs.ops.op import Example, Op
-from pagedgraph.kernels.int8_gemm import fit_int8_gemm
+from pagedgraph.cpu_kernels.int8_gemm import fit_int8_gemm
 from tests.mindspore_support import require_mindspore
 from tests.paths import REPO
 
@@ -184,7 +184,7 @@ def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
 
     from pagedgraph.exporter.mindspore.builder import MindSporeTarget
     from pagedgraph.exporter.mindspore.cpu_ops import MINDSPORE_CPU
-    from pagedgraph.kernels.build import library_path
+    from pagedgraph.cpu_kernels.build import library_path
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     cell = MINDSPORE_CPU.body(op)(op.attrs(**example.attrs), MindSporeTarget("cpu", library=library_path()))
@@ -236,7 +236,7 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
 
 
 def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
-    from pagedgraph.kernels.binding import KERNELS
+    from pagedgraph.cpu_kernels.binding import KERNELS
 
     out = KERNELS.body(op)([None if x is None else x.copy() for x in example.inputs], op.attrs(**example.attrs))
     return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -244,7 +244,7 @@ def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
 
 def _custom_op_library(op: Op, request: pytest.FixtureRequest) -> Path:
     """The custom-op library; an op built only with oneDNN (Linear.bfloat16) also needs oneDNN's headers."""
-    from pagedgraph.kernels.ort_ops import ORT_CUSTOM_OPS, bf16_linear_supported
+    from pagedgraph.cpu_kernels.ort_ops import ORT_CUSTOM_OPS, bf16_linear_supported
 
     if not ORT_CUSTOM_OPS.own(op).onednn:
         return request.getfixturevalue("custom_op_library")

@@ -1,4 +1,4 @@
-"""The u8u8 rewrite of Linear.w8a8's int8 GEMM (kernels/int8_gemm.py): exact where ORT's u8s8 kernel saturates."""
+"""The u8u8 rewrite of Linear.w8a8's int8 GEMM (cpu_kernels/int8_gemm.py): exact where ORT's u8s8 kernel saturates."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 from pagedgraph.exporter.onnx.graph_builder import op_model
 from pagedgraph.graphs import ops
 from pagedgraph.graphs.ops.linear_w8a8 import linear_w8a8
-from pagedgraph.kernels import int8_gemm
+from pagedgraph.cpu_kernels import int8_gemm
 
 
 def _saturating_case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,8 +9,8 @@ import pytest
 
 from pagedgraph.graphs.ops.examples import packed_step
 from pagedgraph.graphs.ops.kv_cache_variants import paged_attention_typed
-from pagedgraph.kernels import binding
-from pagedgraph.kernels.build import KernelBuildError
+from pagedgraph.cpu_kernels import binding
+from pagedgraph.cpu_kernels.build import KernelBuildError
 
 pytestmark = pytest.mark.usefixtures("kernel_library")  # fails in CI, skips elsewhere without a compiler
 
@@ -38,7 +38,7 @@ def test_out_of_pool_indices_are_errors_not_writes() -> None:
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from pagedgraph.kernels import build, cache
+    from pagedgraph.cpu_kernels import build, cache
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))  # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)

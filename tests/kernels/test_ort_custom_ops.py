@@ -1,4 +1,4 @@
-"""pagedgraph's ONNX Runtime custom ops (kernels/ort_ops.cc) in real ORT sessions, beyond their results.
+"""pagedgraph's ONNX Runtime custom ops (cpu_kernels/ort_ops.cc) in real ORT sessions, beyond their results.
 
 Each op's results against its numpy reference, and that the kernel runs in place of the function
 body, are the "onnxruntime-custom" column of tests/graphs/test_op_walk.py. Here: the pools are written in
@@ -23,8 +23,8 @@ from pagedgraph.graphs import ops
 from pagedgraph.graphs.ops.examples import packed_step
 from pagedgraph.exporter.onnx.graph_builder import op_model
 from pagedgraph.graphs.ops.op import Op
-from pagedgraph.kernels import ort_headers
-from pagedgraph.kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
+from pagedgraph.cpu_kernels import ort_headers
+from pagedgraph.cpu_kernels.ort_headers import INCLUDE_ENV, OrtHeaderError
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.executor_ort import register_custom_ops
 from pagedgraph.runtime.sampling_params import SamplingParams
@@ -156,7 +156,7 @@ def test_register_modes(library: Path, monkeypatch: pytest.MonkeyPatch, tmp_path
         register_custom_ops(ort.SessionOptions(), "on")
     with caplog.at_level(logging.WARNING):
         assert not register_custom_ops(ort.SessionOptions(), "auto")
-    assert "python -m pagedgraph.kernels.ort_headers" in caplog.text
+    assert "python -m pagedgraph.cpu_kernels.ort_headers" in caplog.text
     with pytest.raises(ValueError, match="custom_ops"):
         register_custom_ops(ort.SessionOptions(), "yes")  # type: ignore[arg-type]
 

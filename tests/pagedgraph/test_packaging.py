@@ -34,8 +34,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_carries_the_kernel_sources(wheel: Path) -> None:
     """The C++ kernels are compiled on first use from the installed package, so every source must ship."""
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    kernels = REPO / "kernels"
-    sources = {f"pagedgraph/kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
+    kernels = REPO / "cpu_kernels"
+    sources = {f"pagedgraph/cpu_kernels/{p.name}" for p in [*kernels.glob("*.cc"), *kernels.glob("*.h")]}
     assert sources, "no kernel sources found"
     assert not sources - shipped, f"missing from the wheel: {sorted(sources - shipped)}"
     texts = {"pagedgraph/data/calibration.txt", "pagedgraph/data/heldout.txt"}  # calibration, `pagedgraph eval`
@@ -83,3 +83,16 @@ def test_a_base_install_has_every_distribution_pagedgraph_serve_imports(wheel: P
                if module in owners and not any(_name(d) in covered for d in owners[module])}
     assert not missing, f"imported by the serve path but not installed by `pip install .`: {sorted(missing)}"
     assert {"uvicorn", "fastapi", "prometheus_client"} <= imported  # the check saw the server's modules
+
+
+def test_no_checkout_folder_shadows_an_installed_module() -> None:
+    """Run from a checkout (pytest, `python -m pagedgraph.cli`, the scripts), the repository root is on sys.path, so
+    each package folder there is importable by its bare name and hides an installed module of that name:
+    transformers imports the `kernels` distribution it requires, and a folder called `kernels` broke every
+    reference test that loads transformers."""
+    ours = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    assert {"pagedgraph", "runtime", "cpu_kernels"} <= ours
+    installed = packages_distributions()
+    # pagedgraph is ours when installed; auto-gptq ships a stray top-level `tests` that nothing imports
+    shadowed = {f"{name} ({', '.join(installed[name])})" for name in ours - {"pagedgraph", "tests"} if name in installed}
+    assert not shadowed, f"checkout folders named like installed modules: {sorted(shadowed)}; rename the folder"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedgraph.kernels.ort_ops import bf16_linear_supported
+from pagedgraph.cpu_kernels.ort_ops import bf16_linear_supported
 from pagedgraph.runtime.bench.kernels import onednn_implementations
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams

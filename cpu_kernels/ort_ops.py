@@ -20,19 +20,19 @@ class CustomKernel:
     """An `atb` custom op of the library: `struct <name>` in ort_ops.cc, registered under the op's name."""
 
     op: Op
-    source: str = "kernels/ort_ops.cc"
-    onednn: bool = False  # built only where oneDNN is installed (kernels/build.py: onednn_missing)
+    source: str = "cpu_kernels/ort_ops.cc"
+    onednn: bool = False  # built only where oneDNN is installed (cpu_kernels/build.py: onednn_missing)
 
 
 ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
-    "onnxruntime-custom", "kernels/ort_ops.cc (declared in kernels/ort_ops.py)",
+    "onnxruntime-custom", "cpu_kernels/ort_ops.cc (declared in cpu_kernels/ort_ops.py)",
     # One ReshapeAndCache and one PagedAttention struct serve every cache dtype (the pools' element type is
     # read per call; int8's parameters are the trailing optional inputs).
     {op: CustomKernel(op) for op in (*(op for pair in ops.KV_CACHE_OPS.values() for op in pair), ops.SELF_ATTENTION,
                                      ops.ROPE, ops.SWIGLU, ops.BLOCK_MINIMUM,
                                      ops.DYNAMIC_QUANT)},
     fallback="onnx")
-ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "kernels/onednn_linear.cc", onednn=True))
+ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "cpu_kernels/onednn_linear.cc", onednn=True))
 
 
 def bf16_linear_supported() -> bool:

@@ -1,6 +1,6 @@
 // Linear.bfloat16 through oneDNN's matmul primitive: y [T, N] float32 = bf16(x) [T, K] @ W^T, W bfloat16
 // [N, K] (ATB's layout), float32 accumulation. Built into the ONNX Runtime custom-op library only, and only
-// where oneDNN's headers are found (kernels/build.py: PG_WITH_ONEDNN).
+// where oneDNN's headers are found (cpu_kernels/build.py: PG_WITH_ONEDNN).
 #pragma once
 #include <cstddef>
 #include <cstdint>

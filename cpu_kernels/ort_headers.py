@@ -1,7 +1,7 @@
 """ONNX Runtime's C API header for the custom-op library, found on this machine or fetched at install time.
 
 The onnxruntime wheel ships no headers and none may be committed here, so `python -m
-pagedgraph.kernels.ort_headers` takes the one header ort_ops.cc needs from Debian's
+pagedgraph.cpu_kernels.ort_headers` takes the one header ort_ops.cc needs from Debian's
 libonnxruntime-dev package (stdlib only: index, SHA256-checked .deb, ar and tar parsed here).
 Only onnxruntime_c_api.h is used: the C API is versioned, so a header of an older ORT_API_VERSION
 builds a library that a newer onnxruntime still loads.
@@ -29,7 +29,7 @@ MIRROR = "http://deb.debian.org/debian"
 SUITE = "trixie"  # the first Debian release with libonnxruntime-dev
 PACKAGE = "libonnxruntime-dev"
 MEMBER = "usr/include/onnxruntime/" + HEADER
-FETCH_COMMAND = "python -m pagedgraph.kernels.ort_headers"
+FETCH_COMMAND = "python -m pagedgraph.cpu_kernels.ort_headers"
 _DPKG_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64el",
               "s390x": "s390x", "riscv64": "riscv64", "i686": "i386", "i386": "i386"}
 _TIMEOUT_S = 60

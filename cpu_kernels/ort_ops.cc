@@ -424,7 +424,7 @@ struct DynamicQuant {
 
 #ifdef PG_WITH_ONEDNN
 // Linear.bfloat16 (graphs/ops/linear_bf16.py): y = bf16(x) @ weight^T, weight bfloat16 [N, K], on oneDNN's
-// matmul (kernels/onednn_linear.cc: ORT's threads; an initializer's weights are prepacked once).
+// matmul (cpu_kernels/onednn_linear.cc: ORT's threads; an initializer's weights are prepacked once).
 struct Linear {
   static constexpr const char *name = "Linear";
   static constexpr ONNXTensorElementDataType inputs[] = {F32, BF16};

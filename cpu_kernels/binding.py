@@ -174,7 +174,7 @@ def _body(kernel: Callable[..., Any]) -> KernelBody:
 
 
 KERNELS: Lowering[KernelBody] = Lowering(
-    "kernels", "kernels/*.cc (C API: kernels/kernels.h, ctypes: kernels/binding.py)",
+    "kernels", "cpu_kernels/*.cc (C API: cpu_kernels/kernels.h, ctypes: cpu_kernels/binding.py)",
     {**{write: _body(reshape_and_cache) for write, _ in ops.KV_CACHE_OPS.values()},
      **{attend: _body(paged_attention) for _, attend in ops.KV_CACHE_OPS.values()},
      ops.SELF_ATTENTION: _body(self_attention), ops.ROPE: _body(_rope_query_key), ops.SWIGLU: _body(swiglu),
