@@ -39,12 +39,14 @@ class Packer:
         self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
 
     def select(self, batch: ScheduledBatch) -> tuple[str, Gear]:
-        """The smallest gear that fits: decode family when every sequence feeds one token or verifies its drafts as
-        decode rows (then the prefill family where no decode gear is wide enough)."""
+        """The smallest gear that fits: decode family when every sequence feeds one token or its tokens as decode
+        rows (verified drafts, `ScheduledBatch.decode_rows`; then the prefill family where no decode gear is wide
+        enough)."""
         pairs = list(zip(batch.seqs, batch.num_tokens))
-        decodes = all(n == 1 or self._as_decode(s) for s, n in pairs)
-        families = (DECODE,) if all(n == 1 for _, n in pairs) else (DECODE, PREFILL) if decodes else (PREFILL,)
-        tokens, seqs = batch.total_tokens, batch.num_logits_rows
+        rows = [n if n > 1 and self._as_decode(batch, s) else 1 for s, n in pairs]  # attention's sequences
+        families = ((DECODE,) if all(n == 1 for _, n in pairs) else
+                    (DECODE, PREFILL) if all(r == n for r, (_, n) in zip(rows, pairs)) else (PREFILL,))
+        tokens, seqs = batch.total_tokens, max(batch.num_logits_rows, sum(rows))
         blocks = max(len(s.block_table) for s in batch.seqs)
         for family in families:
             gears = self.gears[family]
@@ -65,8 +67,8 @@ class Packer:
         widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
         return [g for g in widest if g.tokens % 2 or g.seqs % 2]
 
-    def _as_decode(self, seq: Sequence) -> bool:
-        return self.verify_as_decode and seq.num_draft_tokens > 0
+    def _as_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:
+        return batch.decode_rows or (self.verify_as_decode and seq.num_draft_tokens > 0)
 
     def _buffers(self, gear: Gear) -> dict[str, np.ndarray]:
         buffers = self.buffers.get(gear)
@@ -96,7 +98,7 @@ class Packer:
                 pos = positions[row:row + n]
                 np.add(self._arange[:n], start, out=pos)
                 np.add(tables[part, pos // bs].astype(np.int64) * bs, pos % bs, out=slots[row:row + n])
-            if n > 1 and self._as_decode(seq):
+            if n > 1 and self._as_decode(batch, seq):
                 tables[part + 1:part + n] = tables[part]
                 np.add(self._arange[:n], row, out=cu[part:part + n], casting="unsafe")
                 np.add(self._arange[:n], start + 1, out=context_lens[part:part + n], casting="unsafe")

@@ -35,6 +35,9 @@ class ScheduledBatch:
     # token (prompt logprobs, runtime/prompt_logprobs.py; drafts to verify, runtime/spec), in batch order after
     # the per-sequence rows.
     token_rows: int = 0
+    # Every chunk fed as one-query rows over its sequence's block table, each a decode row (runtime/packer.py): a
+    # draft model's catch-up, a few tokens that a decode gear computes for less than a prefill gear.
+    decode_rows: bool = False
 
     @property
     def num_logits_rows(self) -> int:

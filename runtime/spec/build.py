@@ -1,22 +1,28 @@
 """The engine's speculator from its config: checks against the artifact, then the proposer of the method."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from ...artifact.settings import ConfigError
+from ...graphs.contract import DECODE
 from .config import SpeculativeConfig
-from .draft import DraftProposer
+from .draft import DraftModel, DraftProposer
 from .ngram import NgramProposer
 from ..sampler import Sampler
+from ..scheduler import ScheduledBatch
 from ..structured_output import StructuredOutputs
 from ..tokenizer import Tokenizer
 from .proposer import Proposer
 from .speculator import Speculator
 
 
-class Target(Protocol):
+CALIBRATION_RUNS = 3  # of the smallest decode gear per engine, the fastest taken (the first also warms it up)
+
+
+class Target(DraftModel, Protocol):
     """What is read of the engine that speculates (it passes itself: runtime/spec never imports the engine)."""
 
     artifact: Path
@@ -56,7 +62,21 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     if problems:
         raise ConfigError(f"speculative_config.model = {spec.model!r}: a draft must share the target's tokenizer and "
                           f"context; " + "; ".join(problems) + " (export the draft from the same checkpoint or family)")
-    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size)
+    cost = _decode_step_s(draft) / _decode_step_s(target)
+    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size, cost)
+
+
+def _decode_step_s(engine: DraftModel) -> float:
+    """Seconds of one step in the smallest decode gear, all padding (its slots are the null block's): what a
+    draft token costs against a target decode, measured on this machine when the engines load."""
+    gear = engine.packer.gears[DECODE][0]
+    inputs = engine.packer.pack(ScheduledBatch(), gear)
+    times = []
+    for _ in range(CALIBRATION_RUNS):
+        start = time.perf_counter()
+        engine.executor.run(gear, inputs)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def speculator_for(config: Any, engine: Target) -> Speculator | None:

@@ -4,8 +4,9 @@
 Each target sequence has a shadow sequence in the draft's pool. Before a proposal the shadow takes the
 target's verified tokens: its K/V is kept up to the longest prefix its own earlier drafts share with them
 (the draft's cache rolls back like the target's), the rest is fed in one packed step with every other
-speculating sequence (chunked when it exceeds the draft's largest prefill gear), and the last row gives the
-first draft; then K - 1 decode steps of the draft give the others.
+speculating sequence (as decode rows in a decode gear when they fit one, which at B=1 costs a decode step where
+a prefill gear's tile costs several; chunked when it exceeds the draft's largest prefill gear), and the last row
+gives the first draft; then K - 1 decode steps of the draft give the others.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..packer import Packer
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
-from ...graphs.contract import PREFILL
+from ...graphs.contract import DECODE, PREFILL
 from .rejection import target_probs
 
 SHADOW_PARAMS = SamplingParams(temperature=0)  # what the shadow carries: nothing the packer or pool reads
@@ -36,13 +37,16 @@ class DraftModel(Protocol):
 
 
 class DraftProposer:
-    def __init__(self, draft: DraftModel, k: int, vocab_size: int) -> None:
+    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float) -> None:
+        """`cost`: a draft token's in target decode steps (`Proposer.cost`), the two engines' decode steps timed."""
         self.draft = draft
+        self.cost = cost
         self.k = k
         self.vocab_size = vocab_size
         prefill = draft.packer.gears[PREFILL]
         self.max_tokens = max(g.tokens for g in prefill)
         self.max_seqs = max(g.seqs for g in prefill)
+        self.max_decode_rows = max(g.seqs for g in draft.packer.gears[DECODE])
         self._shadows: dict[Sequence, Sequence] = {}
         self._q: dict[Sequence, np.ndarray] = {}  # [k, vocab] float32, made once per sampled sequence
         self._scratch = np.empty(vocab_size, np.float64)
@@ -85,6 +89,7 @@ class DraftProposer:
             batch.copies.extend(copies)
         if not batch.seqs:
             return [], np.empty((0, self.vocab_size), np.float32)
+        batch.decode_rows = batch.total_tokens <= self.max_decode_rows  # most catch-ups: the kept drafts, a few
         _, gear = self.draft.packer.select(batch)
         inputs = self.draft.packer.pack(batch, gear)
         if batch.copies:

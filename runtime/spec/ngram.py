@@ -38,6 +38,8 @@ def lookup(tokens: np.ndarray, low: int, high: int, k: int) -> np.ndarray:
 class NgramProposer:
     """Keeps each sequence's tokens in an int64 buffer made once (filled as tokens arrive, never rebuilt)."""
 
+    cost = 0.0  # a lookup in the sequence's own tokens: nothing beside the target's step
+
     def __init__(self, low: int, high: int, max_model_len: int) -> None:
         self.low, self.high, self.max_model_len = low, high, max_model_len
         self._tokens: dict[Sequence, tuple[np.ndarray, list[int]]] = {}  # buffer, [filled]

@@ -9,6 +9,10 @@ from ..sequence import Sequence
 
 
 class Proposer(Protocol):
+    # A proposed token's cost in decode steps of the target (0: free, as n-gram lookup): the speculator proposes
+    # only as many tokens as the acceptance it sees pays for (runtime/spec/speculator.py).
+    cost: float
+
     def propose(self, seqs: Seq[Sequence], lengths: Seq[int]) -> list[list[int]]:
         """Up to lengths[i] tokens to follow seqs[i]'s tokens (fewer or none when it has nothing to offer)."""
 

@@ -9,6 +9,12 @@ Speculation is turned down where it does not pay:
 - per sequence: the number proposed follows what the last verification kept (all kept: one more, up to K;
   else what was kept, plus one), and after `MISSES` verifications in a row that kept nothing the sequence
   pauses, for twice as many steps each time;
+- per sequence, where proposals cost (a draft model: `Proposer.cost`, a proposed token in target decode steps):
+  with a the sequence's recent acceptance per drafted position, k drafts give 1 + a + ... + a^k tokens for
+  one verification and k draft tokens, 1 + k * cost decode steps' worth (a verification taken as one step). The
+  sequence proposes the k that gives most tokens per step, and pauses as above when no k beats a plain decode,
+  then tries one draft to measure again, until pauses pass LAST_PROBE steps; so a draft that rarely agrees with
+  the target costs little;
 - per step, by default: the step's tokens (one per running sequence plus the drafts) stay within
   STEP_TOKENS (or K+1, if larger), shared out in arrival order, so a verification costs a small gear's step
   and a large batch, compute-bound already, does not speculate (docs/performance.md, "Speculative decoding":
@@ -32,6 +38,13 @@ from .rejection import accept_greedy, accept_one, accept_sampled, sample_last
 STEP_TOKENS = 8  # a speculating step's tokens at most, unless disable_by_batch_size is set
 MISSES = 2  # verifications in a row that kept nothing before a sequence pauses
 FIRST_PAUSE = 4  # steps; doubled at each pause of the same sequence, reset when a draft is kept
+# A sequence's acceptance: kept drafts over drafted positions tried (a position after a rejection is not tried),
+# each verification's counts weighted 1 and older ones MEMORY times less per verification; before its first
+# verification it counts PRIOR positions with PRIOR_RATE kept, so a proposal is tried.
+MEMORY, PRIOR, PRIOR_RATE = 0.8, 4.0, 0.75
+# Paused for its cost, a sequence tries one draft after each pause while pauses are this short, then no more: the
+# draft must first take in the tokens since its last proposal (runtime/spec/draft.py), about a prefill of them.
+LAST_PROBE = 64
 
 
 @dataclass
@@ -74,6 +87,20 @@ class _Pace:
     misses: int = 0
     paused: int = 0  # steps left without proposals
     pause: int = FIRST_PAUSE
+    kept: float = PRIOR * PRIOR_RATE  # decayed counts of the acceptance
+    tried: float = PRIOR
+    probe: bool = False  # paused for its cost: one draft after the pause measures the acceptance again
+
+    def best_length(self, cost: float) -> int:
+        """The k <= self.k giving the most tokens per decode step's worth of work; 0 if none beats one token."""
+        rate = self.kept / self.tried
+        best, best_gain, tokens = 0, 1.0, 1.0
+        for k in range(1, self.k + 1):
+            tokens += rate ** k
+            gain = tokens / (1 + k * cost)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
 
 
 class Speculator:
@@ -88,6 +115,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.eligible = eligible
         self.grammars = grammars
+        self.cost = proposer.cost
         self.batch_limit = config.disable_by_batch_size
         self.step_tokens = max(STEP_TOKENS, self.k + 1) if self.batch_limit is None else None
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
@@ -111,8 +139,15 @@ class Speculator:
         if pace.paused:
             pace.paused -= 1
             return 0
+        k = pace.best_length(self.cost) if self.cost else pace.k
+        if pace.probe:
+            k, pace.probe = 1, False
+        elif not k:
+            self._pause(pace)
+            pace.probe = pace.pause <= LAST_PROBE
+            return 0
         left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # the step emits up to k + 1
-        return max(0, min(pace.k, left - 1, self.max_model_len - seq.num_tokens - 1))
+        return max(0, min(k, left - 1, self.max_model_len - seq.num_tokens - 1))
 
     def propose(self, running: Seq[Sequence]) -> None:
         """Give drafts to the running sequences that decode next (one token left to compute)."""
@@ -155,13 +190,16 @@ class Speculator:
             assert seq.rng is not None
             tokens = accept_sampled(rows, drafts, self.proposer.draft_probs(seq), params, seq.rng, self._scratch)
         kept = len(tokens) - 1
+        pace = self._pace[seq]
+        pace.kept = pace.kept * MEMORY + kept
+        pace.tried = pace.tried * MEMORY + kept + (kept < len(drafts))
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(drafts)
         stats.num_accepted_tokens += kept
         for pos in range(kept):
             stats.accepted_per_pos[pos] += 1
-        self._adapt(self._pace[seq], kept)
+        self._adapt(pace, kept)
         return tokens
 
     def _constrained(self, seq: Sequence) -> bool:
@@ -198,11 +236,17 @@ class Speculator:
     def _adapt(self, pace: _Pace, kept: int) -> None:
         pace.k = min(self.k, kept + 1)
         if kept:
-            pace.misses, pace.pause = 0, FIRST_PAUSE
+            pace.misses = 0
+            if not self.cost or pace.best_length(self.cost):  # a kept probe of a draft that does not pay: no reset
+                pace.pause = FIRST_PAUSE
             return
         pace.misses += 1
         if pace.misses >= MISSES:
-            pace.paused, pace.pause, pace.misses = pace.pause, pace.pause * 2, 0
+            self._pause(pace)
+
+    @staticmethod
+    def _pause(pace: _Pace) -> None:
+        pace.paused, pace.pause, pace.misses = pace.pause, pace.pause * 2, 0
 
     def release(self, seq: Sequence) -> None:
         self._pace.pop(seq, None)

@@ -113,3 +113,19 @@ def test_batch_invariant_feeds_drafts_as_decode_rows_of_one_block_table() -> Non
     np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 1, 2, 3, 13])
     np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [3, 4, 5, 10])
     assert Packer(_manifest()).select(batch)[0] == PREFILL  # without batch invariance: one sequence of 3 queries
+
+
+def test_decode_rows_feed_a_short_chunk_as_one_query_rows_in_a_decode_gear() -> None:
+    """A draft's catch-up: 3 tokens of one sequence (context 3, 4, 5) and a single decode, in the B=4 decode gear
+    of a packer that is not batch-invariant; only each sequence's last row reaches the LM head."""
+    catch_up = _seq([1, 2, 3, 4, 5], 2, [6])
+    batch = ScheduledBatch([catch_up, _seq([7, 8], 1, [9])], [3, 1], decode_rows=True)
+    packer = _packer()
+    family, gear = packer.select(batch)
+    assert (family, gear) == (DECODE, Gear(4, 4, 2))
+    buf = packer.pack(batch, gear)
+    np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [3, 4, 5, 2])
+    np.testing.assert_array_equal(buf[c.LOGITS_INDICES], [2, 3, 0, 0])
+    batch.decode_rows = False
+    assert packer.select(batch)[0] == PREFILL

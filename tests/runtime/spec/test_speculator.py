@@ -7,13 +7,16 @@ import numpy as np
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.runtime.sequence import Sequence
 from pagedgraph.runtime.spec.config import SpeculativeConfig
-from pagedgraph.runtime.spec.speculator import FIRST_PAUSE, Speculator
+from pagedgraph.runtime.spec.speculator import FIRST_PAUSE, LAST_PROBE, Speculator
 
 VOCAB = 16
 
 
 class Echo:
-    """Proposes token 1, as many as asked."""
+    """Proposes token 1, as many as asked, at `cost` target decode steps a token."""
+
+    def __init__(self, cost: float = 0.0) -> None:
+        self.cost = cost
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         return [[1] * k for k in lengths]
@@ -32,9 +35,9 @@ def _decoding(count: int) -> list[Sequence]:
     return seqs
 
 
-def _speculator(**keys: int) -> Speculator:
+def _speculator(cost: float = 0.0, **keys: int) -> Speculator:
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=5, **keys)
-    return Speculator(config, Echo(), 256, VOCAB, lambda seq: True)
+    return Speculator(config, Echo(cost), 256, VOCAB, lambda seq: True)
 
 
 def _proposed(speculator: Speculator, seqs: list[Sequence]) -> list[int]:
@@ -74,3 +77,36 @@ def test_a_sequence_whose_drafts_miss_proposes_less_then_pauses() -> None:
     assert [_proposed(speculator, [seq])[0] for _ in range(FIRST_PAUSE + 1)] == [0] * FIRST_PAUSE + [1]
     stats = speculator.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 5 + 3 + 1, 2)
+
+
+def _verify_all(speculator: Speculator, seq: Sequence, kept: int, steps: int) -> list[int]:
+    """`steps` engine steps in which the target keeps the first `kept` drafts; the drafts proposed at each."""
+    proposed = []
+    for _ in range(steps):
+        speculator.propose([seq])
+        n = seq.num_draft_tokens
+        proposed.append(n)
+        if n:
+            rows = np.zeros((n + 1, VOCAB), np.float32)
+            rows[:kept, 1] = 1.0  # argmax 1 (the draft) at the first `kept` positions, then 0
+            speculator.verify(seq, rows)
+    return proposed
+
+
+def test_a_costly_draft_that_the_target_rejects_pauses_and_probes() -> None:
+    """At 0.3 decode steps a draft token, a sequence whose drafts are all rejected stops proposing after a few
+    verifications (its acceptance falls below what pays), tries one draft after ever longer pauses, and none once
+    the pauses pass LAST_PROBE steps."""
+    proposed = _verify_all(_speculator(cost=0.3), _decoding(1)[0], kept=0, steps=400)
+    assert sum(n > 0 for n in proposed) <= 10 and sum(proposed) <= 12, proposed
+    assert max(proposed[20:]) == 1  # probes of one draft
+    assert not any(proposed[2 * LAST_PROBE + 20:])
+
+
+def test_a_costly_draft_that_the_target_keeps_goes_on_at_the_length_that_pays() -> None:
+    """All drafts kept: the acceptance rises from its prior (0.75: 2 drafts pay best at 0.3 steps a token) and the
+    length with it, up to K = 5; at a cost of 1 (a draft as dear as the target) no length beats a plain decode."""
+    assert _verify_all(_speculator(cost=0.3), _decoding(1)[0], kept=5, steps=8) == [2, 3, 4, 5, 5, 5, 5, 5]
+    free = _verify_all(_speculator(cost=0.0), _decoding(1)[0], kept=0, steps=3)
+    assert free[0] == 5  # n-gram lookup: what the rejections leave (the pace above), never the cost rule
+    assert _verify_all(_speculator(cost=1.0), _decoding(1)[0], kept=5, steps=3) == [0, 0, 0]
