@@ -84,15 +84,20 @@ def _config(kv_cache_dtype: str) -> dict:
     return dict(kv_cache_dtype=kv_cache_dtype, num_blocks=256, max_num_batched_tokens=256, threads=2, custom_ops="on")
 
 
+def _plain(fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> tuple[Path, dict, LLM]:
+    """The case's artifact, engine settings, and an engine without prefix caching."""
+    artifact = request.getfixturevalue(fixture)
+    config = _config(kv_cache_dtype)
+    return artifact, config, LLM(artifact, enable_prefix_caching=False, **config)
+
+
 IDS = [f"{p}-{kv}" for p, _, kv in CASES]
 
 
 @pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=IDS)
 def test_a_prompt_gets_its_solo_tokens_in_any_batch_chunking_and_prefix_hit(
         precision: str, fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> None:
-    artifact = request.getfixturevalue(fixture)
-    config = _config(kv_cache_dtype)
-    llm = LLM(artifact, enable_prefix_caching=False, **config)
+    artifact, config, llm = _plain(fixture, kv_cache_dtype, request)
     target, others = _prompts(llm)
     solo = _result(llm.generate([target], GREEDY)[0])
     for n in (2, 7, 16):
@@ -107,9 +112,7 @@ def test_a_prompt_gets_its_solo_tokens_in_any_batch_chunking_and_prefix_hit(
 @pytest.mark.parametrize("precision,fixture,kv_cache_dtype", CASES, ids=IDS)
 def test_speculation_gets_the_plain_runs_tokens_and_logprobs(
         precision: str, fixture: str, kv_cache_dtype: str, request: pytest.FixtureRequest) -> None:
-    artifact = request.getfixturevalue(fixture)
-    config = _config(kv_cache_dtype)
-    plain = LLM(artifact, enable_prefix_caching=False, **config)
+    artifact, config, plain = _plain(fixture, kv_cache_dtype, request)
     target, others = _prompts(plain)
     target = target * 2  # its second half invites drafts from the first
     solo = _result(plain.generate([target], GREEDY)[0])
