@@ -42,11 +42,16 @@ class Packer:
         """The smallest gear that fits: decode family when every sequence feeds one token or its tokens as decode
         rows (verified drafts, `ScheduledBatch.decode_rows`; then the prefill family where no decode gear is wide
         enough)."""
-        pairs = list(zip(batch.seqs, batch.num_tokens))
-        rows = [n if n > 1 and self._as_decode(batch, s) else 1 for s, n in pairs]  # attention's sequences
-        families = ((DECODE,) if all(n == 1 for _, n in pairs) else
-                    (DECODE, PREFILL) if all(r == n for r, (_, n) in zip(rows, pairs)) else (PREFILL,))
-        tokens, seqs = batch.total_tokens, max(batch.num_logits_rows, sum(rows))
+        parts, single, as_rows = 0, True, True  # parts: the attention's sequences, as pack lays them out
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if n == 1:
+                parts += 1
+            elif self._as_decode(batch, seq):
+                parts, single = parts + n, False
+            else:
+                parts, single, as_rows = parts + 1, False, False
+        families = (DECODE,) if single else (DECODE, PREFILL) if as_rows else (PREFILL,)
+        tokens, seqs = batch.total_tokens, max(batch.num_logits_rows, parts)
         blocks = max(len(s.block_table) for s in batch.seqs)
         for family in families:
             gears = self.gears[family]

@@ -72,5 +72,5 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> RunRecord:
     record.extra = {"prefix_hit_rate": (cache.hits - cache_before.hits) / queries if queries else 0.0,
                     "preemptions": engine.scheduler.num_preemptions - preemptions_before}
     if spec is not None and spec_before is not None:
-        record.extra["spec_decode"] = {**spec.stats.since(spec_before), "proposal_cost": spec.cost}
+        record.extra["spec_decode"] = {**spec.stats.since(spec_before), "proposal_cost": spec.proposer.cost}
     return record

@@ -38,7 +38,7 @@ class DraftModel(Protocol):
 
 class DraftProposer:
     def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float) -> None:
-        """`cost`: a draft token's in target decode steps (`Proposer.cost`), the two engines' decode steps timed."""
+        """`cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both engines' decode steps timed."""
         self.draft = draft
         self.cost = cost
         self.k = k

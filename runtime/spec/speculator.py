@@ -94,9 +94,10 @@ class _Pace:
     def best_length(self, cost: float) -> int:
         """The k <= self.k giving the most tokens per decode step's worth of work; 0 if none beats one token."""
         rate = self.kept / self.tried
-        best, best_gain, tokens = 0, 1.0, 1.0
+        best, best_gain, tokens, term = 0, 1.0, 1.0, 1.0
         for k in range(1, self.k + 1):
-            tokens += rate ** k
+            term *= rate
+            tokens += term
             gain = tokens / (1 + k * cost)
             if gain > best_gain:
                 best, best_gain = k, gain
@@ -115,7 +116,6 @@ class Speculator:
         self.max_model_len = max_model_len
         self.eligible = eligible
         self.grammars = grammars
-        self.cost = proposer.cost
         self.batch_limit = config.disable_by_batch_size
         self.step_tokens = max(STEP_TOKENS, self.k + 1) if self.batch_limit is None else None
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
@@ -139,7 +139,8 @@ class Speculator:
         if pace.paused:
             pace.paused -= 1
             return 0
-        k = pace.best_length(self.cost) if self.cost else pace.k
+        cost = self.proposer.cost
+        k = pace.best_length(cost) if cost else pace.k
         if pace.probe:
             k, pace.probe = 1, False
         elif not k:
@@ -237,7 +238,7 @@ class Speculator:
         pace.k = min(self.k, kept + 1)
         if kept:
             pace.misses = 0
-            if not self.cost or pace.best_length(self.cost):  # a kept probe of a draft that does not pay: no reset
+            if not self.proposer.cost or pace.best_length(self.proposer.cost):  # a kept probe of a draft that does not pay: no reset
                 pace.pause = FIRST_PAUSE
             return
         pace.misses += 1

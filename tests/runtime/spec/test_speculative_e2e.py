@@ -98,10 +98,10 @@ def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: P
     _check_spoke(ngram)
     draft = _engine(smollm2_spec_artifact, {"method": "draft_model", "num_speculative_tokens": 3,
                                             "model": str(smollm2_gguf_artifact)})
-    assert draft.speculator.cost > 0, "a draft token's cost in target decode steps, timed at load"
+    assert draft.speculator.proposer.cost > 0, "a draft token's cost in target decode steps, timed at load"
     # Drafts as long as the pace allows, whatever this machine's draft costs (this GGUF export computes in float32,
     # slower than the fp32 target, so the cost rule would stop it): the check is on verifying several positions.
-    draft.speculator.cost = 0.0
+    draft.speculator.proposer.cost = 0.0
     prompts = [prompt, prompt[:20]]
     assert _staggered(draft, prompts, GREEDY) == _staggered(plain, prompts, GREEDY)
     assert draft.speculator.stats.num_accepted_tokens > draft.speculator.stats.num_drafts  # > 1 kept per draft
