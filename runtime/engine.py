@@ -147,7 +147,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig(),
+                 pools: KVPools | None = None) -> None:
+        """`pools`: another engine's KV pools to run on instead of pools of its own (a draft of the same model shares
+        its target's, runtime/spec/draft.py); their cache dtype wins over `config.kv_cache_dtype`."""
         start = time.perf_counter()
         self.artifact = Path(artifact)
         self.manifest = Manifest.load(self.artifact)
@@ -167,11 +170,14 @@ class LLMEngine:
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
-        self.kv_cache_dtype = self.manifest.kv_cache_dtype(config.kv_cache_dtype, self.artifact)
-        blocks = pool_blocks(PoolRequest(bytes_per_block(self.manifest, self.kv_cache_dtype), self.manifest.block_size,
-                                         self.max_model_len, self.max_num_seqs, config.num_blocks,
-                                         config.kv_cache_bytes, weights_bytes(self.artifact)))
-        self.pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
+        self.kv_cache_dtype = self.manifest.kv_cache_dtype(pools.kv_cache_dtype if pools else config.kv_cache_dtype,
+                                                           self.artifact)
+        if pools is None:
+            blocks = pool_blocks(PoolRequest(bytes_per_block(self.manifest, self.kv_cache_dtype),
+                                             self.manifest.block_size, self.max_model_len, self.max_num_seqs,
+                                             config.num_blocks, config.kv_cache_bytes, weights_bytes(self.artifact)))
+            pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
+        self.pools = pools
         # The cache dtype is part of every block hash: blocks of two dtypes never match.
         self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
                                  f"kv_cache_dtype={self.kv_cache_dtype};".encode() + config.prefix_cache_salt.encode())

@@ -1,11 +1,13 @@
 """The engine's speculator from its config: checks against the artifact, then the proposer of the method."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ...artifact.manifest import Manifest
 from ...artifact.settings import ConfigError
 from ...graphs.contract import DECODE
 from .config import SpeculativeConfig
@@ -19,6 +21,7 @@ from .proposer import Proposer
 from .speculator import Speculator
 
 
+log = logging.getLogger(__name__)
 CALIBRATION_RUNS = 3  # of the smallest decode gear per engine, the fastest taken (the first also warms it up)
 
 
@@ -26,6 +29,7 @@ class Target(DraftModel, Protocol):
     """What is read of the engine that speculates (it passes itself: runtime/spec never imports the engine)."""
 
     artifact: Path
+    manifest: Manifest
     max_model_len: int
     max_logits_rows: int
     model: Any  # graphs.config.ModelConfig
@@ -48,9 +52,10 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     batch-invariant: its rows only propose, the target's verification decides every token, so the draft's single
     decodes take the B=1 gear (block-quantized drafts would pad them to two rows)."""
     assert spec.model is not None
+    shared = _shares_kv(Manifest.load(Path(spec.model), verify=False), target)
     draft = type(target)(spec.model, replace(config, speculative_config=None, gears=None,
                                               max_model_len=target.max_model_len, kv_cache_dtype="auto",
-                                              batch_invariant=False))
+                                              batch_invariant=False), target.pools if shared else None)
     problems = []
     if draft.model.vocab_size != target.model.vocab_size:
         problems.append(f"its vocabulary has {draft.model.vocab_size} entries, the target's {target.model.vocab_size}")
@@ -63,7 +68,21 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
         raise ConfigError(f"speculative_config.model = {spec.model!r}: a draft must share the target's tokenizer and "
                           f"context; " + "; ".join(problems) + " (export the draft from the same checkpoint or family)")
     cost = _decode_step_s(draft) / _decode_step_s(target)
-    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size, cost)
+    log.info("draft %s: %s; a draft token costs %.2f target decode steps", spec.model,
+             "the target's model at another precision, on the target's KV pools" if shared
+             else "a KV pool of its own (it prefills every prompt)", cost)
+    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size, cost,
+                         target.kv if shared else None)
+
+
+def _shares_kv(draft: Manifest, target: Target) -> bool:
+    """Whether the draft is the target's model at another precision (the same ModelConfig, block size and ranks)
+    with graphs for the target's cache dtype: then its K/V rows mean what the target's mean, and it runs on the
+    target's pools instead of prefilling every prompt into its own (runtime/spec/draft.py)."""
+    mine = target.manifest
+    return (draft.model == mine.model and draft.block_size == mine.block_size
+            and draft.tensor_parallel_size == mine.tensor_parallel_size
+            and target.pools.kv_cache_dtype in draft.served_kv_cache_dtypes)
 
 
 def _decode_step_s(engine: DraftModel) -> float:

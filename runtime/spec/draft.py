@@ -1,12 +1,19 @@
 """`draft_model` proposals: a smaller artifact with the same tokenizer, run by the same machinery as the target
-(its own packer, gears, executor and paged KV pool with prefix caching), K tokens per step.
+(its own packer, gears and executor), K tokens per step.
 
-Each target sequence has a shadow sequence in the draft's pool. Before a proposal the shadow takes the
-target's verified tokens: its K/V is kept up to the longest prefix its own earlier drafts share with them
-(the draft's cache rolls back like the target's), the rest is fed in one packed step with every other
-speculating sequence (as decode rows in a decode gear when they fit one, which at B=1 costs a decode step where
-a prefill gear's tile costs several; chunked when it exceeds the draft's largest prefill gear), and the last row
-gives the first draft; then K - 1 decode steps of the draft give the others.
+Each target sequence has a shadow sequence that holds its verified tokens and, while proposing, the drafts. Where
+the K/V of those tokens comes from depends on the draft:
+- the target's model at another precision (runtime/spec/build.py, `_shares_kv`) runs on the target's pools: the
+  verified tokens' K/V is the target's, so nothing is prefilled or caught up. The shadow borrows the target's
+  block table; the slots past its computed tokens, where the drafts' K/V is written, are allocated in the target's
+  pool for the proposal and given back after it, and the verification writes those positions again before any
+  query reads them. Each proposal is K decode steps, the first feeding the target's last token.
+- any other draft keeps its own pool with prefix caching. Before a proposal the shadow keeps its K/V up to the
+  longest prefix its own earlier drafts share with the verified tokens (the draft's cache rolls back like the
+  target's); the rest is fed in one packed step with every other speculating sequence (as decode rows in a decode
+  gear when they fit one, which at B=1 costs a decode step where a prefill gear's tile costs several; chunked when
+  it exceeds the draft's largest prefill gear), and the last row gives the first draft; then K - 1 decode steps of
+  the draft give the others. Every prompt is prefilled by the draft too.
 """
 from __future__ import annotations
 
@@ -37,9 +44,13 @@ class DraftModel(Protocol):
 
 
 class DraftProposer:
-    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float) -> None:
-        """`cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both engines' decode steps timed."""
+    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float,
+                 shared: KVCacheManager | None = None) -> None:
+        """`cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both engines' decode steps timed.
+        `shared`: the target's KV manager, when `draft` runs on the target's pools."""
         self.draft = draft
+        self.kv = shared or draft.kv
+        self.shared = shared is not None
         self.cost = cost
         self.k = k
         self.vocab_size = vocab_size
@@ -52,38 +63,43 @@ class DraftProposer:
         self._scratch = np.empty(vocab_size, np.float64)
 
     def _sync(self, seq: Sequence) -> Sequence:
-        """The shadow of `seq`, holding its verified tokens, K/V kept where its last drafts were right."""
-        kv = self.draft.kv
-        verified = seq.token_ids[:seq.num_verified_tokens]
+        """The shadow of `seq`, holding its verified tokens: on the target's block table and computed tokens (shared
+        pools), or on its own K/V, kept where its last drafts were right."""
+        kv, n = self.kv, seq.num_verified_tokens
         shadow = self._shadows.get(seq)
         if shadow is None:
             shadow = self._shadows[seq] = Sequence(seq.request_id, seq.prompt_token_ids, SHADOW_PARAMS, seq.arrival,
-                                                   token_ids=list(verified))
-            kv.allocate_slots(shadow, 0, kv.computed_blocks(shadow))  # prefix hits only: nothing to allocate
-            return shadow
-        tokens = shadow.token_ids
-        same = shadow.num_verified_tokens
-        limit = min(len(tokens), len(verified))
-        while same < limit and tokens[same] == verified[same]:
-            same += 1
+                                                   token_ids=seq.token_ids[:n])
+            same = n
+            if not self.shared:
+                kv.allocate_slots(shadow, 0, kv.computed_blocks(shadow))  # prefix hits only: nothing to allocate
+        else:
+            tokens, verified = shadow.token_ids, seq.token_ids
+            same = shadow.num_verified_tokens
+            limit = min(len(tokens), n)
+            while same < limit and tokens[same] == verified[same]:
+                same += 1
+            del tokens[same:]
+            tokens.extend(verified[same:n])
         shadow.num_draft_tokens = 0
-        keep = min(same, len(verified) - 1)  # the last token is always fed: its row gives the first draft
-        if shadow.num_computed_tokens > keep:
-            kv.rollback(shadow, keep)
-        del tokens[same:]
-        tokens.extend(verified[same:])
+        if self.shared:
+            shadow.block_table = seq.block_table
+            shadow.num_computed_tokens = seq.num_computed_tokens
+        elif shadow.num_computed_tokens > min(same, n - 1):  # the last token is always fed: its row gives a draft
+            kv.rollback(shadow, min(same, n - 1))
         return shadow
 
     def _feed(self, group: list[tuple[Sequence, int]]) -> tuple[list[Sequence], np.ndarray]:
         """Run one draft step feeding n tokens of each shadow; the shadows that got room, and their logits rows."""
-        kv, batch = self.draft.kv, ScheduledBatch()
+        kv, batch = self.kv, ScheduledBatch()
         chunks = [(s, n) for s, n in group if n > 1]
         singles = sorted(((s, n) for s, n in group if n == 1), key=lambda e: -e[0].num_computed_tokens)
         for shadow, n in chunks + singles:
             copies = kv.allocate_slots(shadow, n)
-            if copies is None:  # the draft's pool is short: this sequence gets no proposal this step
+            if copies is None:  # the pool is short: this sequence gets no proposal this step
                 continue
-            kv.cache_blocks(shadow, shadow.num_computed_tokens + n)
+            if not self.shared:
+                kv.cache_blocks(shadow, shadow.num_computed_tokens + n)
             batch.seqs.append(shadow)
             batch.num_tokens.append(n)
             batch.copies.extend(copies)
@@ -103,7 +119,7 @@ class DraftProposer:
         """Feed every shadow's uncomputed tokens; the logits row after each one's last token (a copy)."""
         rows: dict[Sequence, np.ndarray] = {}
         todo = list(shadows)
-        bs = self.draft.kv.block_size
+        bs = self.kv.block_size
         while todo:
             group, budget = [], self.max_tokens
             for shadow in todo:
@@ -137,6 +153,16 @@ class DraftProposer:
         wanted = {seq: k for seq, k in zip(seqs, lengths) if k}
         shadows = {self._sync(seq): seq for seq in wanted}
         drafts: dict[Sequence, list[int]] = {seq: [] for seq in seqs}
+        try:
+            self._draft(shadows, wanted, drafts)
+        finally:
+            if self.shared:  # give the borrowed slots back: the target's table is as it was
+                for shadow, seq in shadows.items():
+                    self.kv.rollback(shadow, seq.num_computed_tokens)
+        return [drafts[seq] for seq in seqs]
+
+    def _draft(self, shadows: dict[Sequence, Sequence], wanted: dict[Sequence, int],
+               drafts: dict[Sequence, list[int]]) -> None:
         for shadow, row in self._catch_up(list(shadows)).items():
             drafts[shadows[shadow]].append(self._choose(shadows[shadow], row, 0))
         for j in range(1, max(wanted.values(), default=0)):
@@ -153,13 +179,12 @@ class DraftProposer:
             for i, shadow in enumerate(fed):
                 seq = shadows[shadow]
                 drafts[seq].append(self._choose(seq, logits[i], j))
-        return [drafts[seq] for seq in seqs]
 
     def draft_probs(self, seq: Sequence) -> np.ndarray | None:
         return None if seq.params.greedy else self._q.get(seq)
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
-        if shadow is not None:
+        if shadow is not None and not self.shared:
             self.draft.kv.free(shadow)
         self._q.pop(seq, None)

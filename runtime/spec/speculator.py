@@ -42,8 +42,9 @@ FIRST_PAUSE = 4  # steps; doubled at each pause of the same sequence, reset when
 # each verification's counts weighted 1 and older ones MEMORY times less per verification; before its first
 # verification it counts PRIOR positions with PRIOR_RATE kept, so a proposal is tried.
 MEMORY, PRIOR, PRIOR_RATE = 0.8, 4.0, 0.75
-# Paused for its cost, a sequence tries one draft after each pause while pauses are this short, then no more: the
-# draft must first take in the tokens since its last proposal (runtime/spec/draft.py), about a prefill of them.
+# Paused for its cost, a sequence tries one draft after each pause while pauses are this short, then no more: a
+# draft with a pool of its own must first take in the tokens since its last proposal (runtime/spec/draft.py), about
+# a prefill of them.
 LAST_PROBE = 64
 
 

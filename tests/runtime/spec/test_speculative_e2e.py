@@ -17,6 +17,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "disable_by_batch_size": 16}
 COPY_PROMPT = [{"role": "user", "content": "Repeat this list exactly, twice: alpha beta gamma delta epsilon zeta "
                                            "eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau."}]
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3}
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 JSON_PROMPT = [{"role": "user", "content": 'Return this JSON unchanged: {"name": "alpha", "items": ["beta", "gamma", '
                                            '"delta"], "owner": "alpha"}'}]
@@ -64,9 +65,19 @@ def test_ngram_greedy_equals_plain_on_the_reference_prompts(smollm2_spec_artifac
         "batch invariance verifies drafts as decode rows, in decode gears"
 
 
-def test_rejected_drafts_leave_the_cache_as_a_plain_run(smollm2_spec_artifact: Path) -> None:
-    """Step by step at B=1: whenever both runs hold the same tokens, refcounts, hashes and free blocks agree."""
-    plain, spec = _engine(smollm2_spec_artifact), _engine(smollm2_spec_artifact, NGRAM)
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_rejected_drafts_leave_the_cache_as_a_plain_run(smollm2_spec_artifact: Path, request: pytest.FixtureRequest,
+                                                        proposer: str) -> None:
+    """Step by step at B=1: whenever both runs hold the same tokens, refcounts, hashes and free blocks agree. The
+    draft, the W8A8 artifact (the GGUF one agrees all through), runs on the target's pools: the slots it borrows
+    for its drafts are given back."""
+    plain = _engine(smollm2_spec_artifact)
+    if proposer == "ngram":
+        spec = _engine(smollm2_spec_artifact, NGRAM)
+    else:
+        spec = _engine(smollm2_spec_artifact, {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact"))})
+        assert spec.speculator.proposer.shared, "the same model at another precision drafts on the target's pools"
+        spec.speculator.proposer.cost = 0.0  # see test_long_output_and_draft_model_greedy_equal_plain
     prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
     params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
     a, b = plain.add_request(prompt, params), spec.add_request(prompt, params)
@@ -96,8 +107,7 @@ def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: P
     ngram = _engine(smollm2_spec_artifact, NGRAM)
     assert _staggered(ngram, [prompt], long) == want
     _check_spoke(ngram)
-    draft = _engine(smollm2_spec_artifact, {"method": "draft_model", "num_speculative_tokens": 3,
-                                            "model": str(smollm2_gguf_artifact)})
+    draft = _engine(smollm2_spec_artifact, {**DRAFT, "model": str(smollm2_gguf_artifact)})
     assert draft.speculator.proposer.cost > 0, "a draft token's cost in target decode steps, timed at load"
     # Drafts as long as the pace allows, whatever this machine's draft costs (this GGUF export computes in float32,
     # slower than the fp32 target, so the cost rule would stop it): the check is on verifying several positions.
@@ -107,11 +117,37 @@ def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: P
     assert draft.speculator.stats.num_accepted_tokens > draft.speculator.stats.num_drafts  # > 1 kept per draft
 
 
-def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact: Path) -> None:
+def test_a_draft_that_cannot_share_the_cache_keeps_its_own(smollm2_w8a8_artifact: Path,
+                                                           smollm2_gguf_artifact: Path) -> None:
+    """The shipped precision's target on its int8 cache, for which the GGUF draft has no graphs: the draft prefills
+    into a float32 pool of its own, its cache rolling back with its drafts; greedy output is still the plain run's."""
+    plain = _engine(smollm2_w8a8_artifact, kv_cache_dtype="int8")
+    draft = _engine(smollm2_w8a8_artifact, {**DRAFT, "model": str(smollm2_gguf_artifact)}, kv_cache_dtype="int8")
+    proposer = draft.speculator.proposer
+    assert not proposer.shared and proposer.draft.pools.kv_cache_dtype == "float32"
+    proposer.cost = 0.0
+    prompt = plain.prompts.token_ids({"messages": COPY_PROMPT})
+    prompts = [prompt, prompt[:30]]
+    assert _staggered(draft, prompts, GREEDY) == _staggered(plain, prompts, GREEDY)
+    _check_spoke(draft)
+    own = proposer.draft.kv
+    assert own.num_free_blocks == own.pool.num_blocks - 1, "the draft's own pool leaked blocks"
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact: Path, request: pytest.FixtureRequest,
+                                                           proposer: str) -> None:
     """n=2 forks (copy-on-write), a pool small enough to preempt, 16-token prefill chunks and a JSON grammar (its
-    drafts cut to what the grammar allows, each verified position masked)."""
-    config = {"num_blocks": 24, "max_model_len": 256, "long_prefill_token_threshold": 16}
-    plain, spec = _engine(smollm2_spec_artifact, **config), _engine(smollm2_spec_artifact, NGRAM, **config)
+    drafts cut to what the grammar allows, each verified position masked). The draft borrows its slots from that
+    small pool: a fork's shared last block is copied before the draft writes in it."""
+    config = {"num_blocks": 20, "max_model_len": 256, "long_prefill_token_threshold": 16}
+    plain = _engine(smollm2_spec_artifact, **config)
+    if proposer == "ngram":
+        spec = _engine(smollm2_spec_artifact, NGRAM, **config)
+    else:
+        draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact"))}
+        spec = _engine(smollm2_spec_artifact, draft, **config)
+        spec.speculator.proposer.cost = 0.0
     prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
     two = SamplingParams(n=2, max_tokens=64, temperature=0, ignore_eos=True)
     json_params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {"type": "object"}})
