@@ -2,7 +2,8 @@
 
 Every executor wraps these arrays once (an OrtValue, a MindSpore Tensor, both without a copy) and
 its graphs write them in place; the engine sizes them (`pool_blocks`) and runs the copy-on-write block
-copies on them between steps. The KV cache manager only hands out block ids into them.
+copies on them between steps (a draft that shares them, runtime/spec/draft.py, also while it proposes). The
+KV cache manager only hands out block ids into them.
 """
 from __future__ import annotations
 

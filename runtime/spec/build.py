@@ -52,7 +52,7 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     batch-invariant: its rows only propose, the target's verification decides every token, so the draft's single
     decodes take the B=1 gear (block-quantized drafts would pad them to two rows)."""
     assert spec.model is not None
-    shared = _shares_kv(Manifest.load(Path(spec.model), verify=False), target)
+    shared = shares_kv(Manifest.load(Path(spec.model), verify=False), target)
     draft = type(target)(spec.model, replace(config, speculative_config=None, gears=None,
                                               max_model_len=target.max_model_len, kv_cache_dtype="auto",
                                               batch_invariant=False), target.pools if shared else None)
@@ -75,14 +75,15 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
                          target.kv if shared else None)
 
 
-def _shares_kv(draft: Manifest, target: Target) -> bool:
+def shares_kv(draft: Manifest, target: Target) -> bool:
     """Whether the draft is the target's model at another precision (the same ModelConfig, block size and ranks)
-    with graphs for the target's cache dtype: then its K/V rows mean what the target's mean, and it runs on the
-    target's pools instead of prefilling every prompt into its own (runtime/spec/draft.py)."""
-    mine = target.manifest
+    with graphs for the target's cache dtype, a float one: then its K/V rows mean what the target's mean, and it
+    runs on the target's pools instead of prefilling every prompt into its own (runtime/spec/draft.py). An int8
+    cache is not shared: its scales are calibrated on each artifact's own graph and stored in it."""
+    mine, dtype = target.manifest, target.pools.kv_cache_dtype
     return (draft.model == mine.model and draft.block_size == mine.block_size
             and draft.tensor_parallel_size == mine.tensor_parallel_size
-            and target.pools.kv_cache_dtype in draft.served_kv_cache_dtypes)
+            and dtype in draft.served_kv_cache_dtypes and not target.pools.format.quantized)
 
 
 def _decode_step_s(engine: DraftModel) -> float:

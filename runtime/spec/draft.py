@@ -3,11 +3,13 @@
 
 Each target sequence has a shadow sequence that holds its verified tokens and, while proposing, the drafts. Where
 the K/V of those tokens comes from depends on the draft:
-- the target's model at another precision (runtime/spec/build.py, `_shares_kv`) runs on the target's pools: the
+- the target's model at another precision (runtime/spec/build.py, `shares_kv`) runs on the target's pools: the
   verified tokens' K/V is the target's, so nothing is prefilled or caught up. The shadow borrows the target's
   block table; the slots past its computed tokens, where the drafts' K/V is written, are allocated in the target's
-  pool for the proposal and given back after it, and the verification writes those positions again before any
-  query reads them. Each proposal is K decode steps, the first feeding the target's last token.
+  pool for the proposal and given back after it (a last block shared with a fork is copied first, as the
+  target's step would copy it), and the verification writes those positions again before any query reads them.
+  Each proposal is K decode steps, the first feeding the target's last token. A float cache only: an int8 one's
+  scales belong to each artifact's graph.
 - any other draft keeps its own pool with prefix caching. Before a proposal the shadow keeps its K/V up to the
   longest prefix its own earlier drafts share with the verified tokens (the draft's cache rolls back like the
   target's); the rest is fed in one packed step with every other speculating sequence (as decode rows in a decode
@@ -103,13 +105,14 @@ class DraftProposer:
             batch.seqs.append(shadow)
             batch.num_tokens.append(n)
             batch.copies.extend(copies)
+        # Copied at once: a table already points at the copy, and a step that fails from here must not leave it
+        # pointing at a block whose computed rows were never copied (in shared pools, the target's table).
+        self.draft.pools.copy_blocks(batch.copies)
         if not batch.seqs:
             return [], np.empty((0, self.vocab_size), np.float32)
         batch.decode_rows = batch.total_tokens <= self.max_decode_rows  # most catch-ups: the kept drafts, a few
         _, gear = self.draft.packer.select(batch)
         inputs = self.draft.packer.pack(batch, gear)
-        if batch.copies:
-            self.draft.pools.copy_blocks(batch.copies)
         logits = self.draft.executor.run(gear, inputs)
         for shadow, n in zip(batch.seqs, batch.num_tokens):
             shadow.num_computed_tokens += n
@@ -156,7 +159,7 @@ class DraftProposer:
         try:
             self._draft(shadows, wanted, drafts)
         finally:
-            if self.shared:  # give the borrowed slots back: the target's table is as it was
+            if self.shared:  # give the borrowed slots back (a shared last block stays copied, as the step would have)
                 for shadow, seq in shadows.items():
                     self.kv.rollback(shadow, seq.num_computed_tokens)
         return [drafts[seq] for seq in seqs]

@@ -239,7 +239,8 @@ class Speculator:
         pace.k = min(self.k, kept + 1)
         if kept:
             pace.misses = 0
-            if not self.proposer.cost or pace.best_length(self.proposer.cost):  # a kept probe of a draft that does not pay: no reset
+            # A kept probe of a draft that does not pay leaves the pause as it is.
+            if not self.proposer.cost or pace.best_length(self.proposer.cost):
                 pace.pause = FIRST_PAUSE
             return
         pace.misses += 1

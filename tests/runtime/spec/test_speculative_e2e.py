@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.artifact.settings import ConfigError
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
+from pagedgraph.runtime.spec.build import shares_kv
 from tests.paths import DATA
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -66,6 +68,7 @@ def test_greedy_equals_plain_on_the_reference_prompts(smollm2_spec_artifact: Pat
     else:
         draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact")), "disable_by_batch_size": 16}
         spec = _engine(smollm2_spec_artifact, draft)
+        assert spec.speculator.proposer.shared
         spec.speculator.proposer.cost = 0.0  # see test_long_output_and_draft_model_greedy_equal_plain
     want = _staggered(plain, prompts, GREEDY)
     assert _staggered(spec, prompts, GREEDY) == want
@@ -119,6 +122,7 @@ def test_long_output_and_draft_model_greedy_equal_plain(smollm2_spec_artifact: P
     _check_spoke(ngram)
     draft = _engine(smollm2_spec_artifact, {**DRAFT, "model": str(smollm2_gguf_artifact)})
     assert draft.speculator.proposer.cost > 0, "a draft token's cost in target decode steps, timed at load"
+    assert draft.speculator.proposer.shared, "the GGUF export of the target's model drafts on the target's pools"
     # Drafts as long as the pace allows, whatever this machine's draft costs (this GGUF export computes in float32,
     # slower than the fp32 target, so the cost rule would stop it): the check is on verifying several positions.
     draft.speculator.proposer.cost = 0.0
@@ -135,6 +139,8 @@ def test_a_draft_that_cannot_share_the_cache_keeps_its_own(smollm2_w8a8_artifact
     draft = _engine(smollm2_w8a8_artifact, {**DRAFT, "model": str(smollm2_gguf_artifact)}, kv_cache_dtype="int8")
     proposer = draft.speculator.proposer
     assert not proposer.shared and proposer.draft.pools.kv_cache_dtype == "float32"
+    # Nor would a draft with int8 graphs share it: the target's int8 rows are read with the target's own scales.
+    assert not shares_kv(Manifest.load(smollm2_w8a8_artifact), draft)
     proposer.cost = 0.0
     prompt = plain.prompts.token_ids({"messages": COPY_PROMPT})
     prompts = [prompt, prompt[:30]]
@@ -149,7 +155,7 @@ def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact
                                                            proposer: str) -> None:
     """n=2 forks (copy-on-write), a pool small enough to preempt, 16-token prefill chunks and a JSON grammar (its
     drafts cut to what the grammar allows, each verified position masked). The draft borrows its slots from that
-    small pool: a fork's shared last block is copied before the draft writes in it."""
+    small pool, the forks' included, and gives them back before the scheduler preempts."""
     config = {"num_blocks": 20, "max_model_len": 256, "long_prefill_token_threshold": 16}
     plain = _engine(smollm2_spec_artifact, **config)
     if proposer == "ngram":
