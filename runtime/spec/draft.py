@@ -118,9 +118,9 @@ class DraftProposer:
             shadow.num_computed_tokens += n
         return batch.seqs, logits
 
-    def _catch_up(self, shadows: list[Sequence]) -> dict[Sequence, np.ndarray]:
-        """Feed every shadow's uncomputed tokens; the logits row after each one's last token (a copy)."""
-        rows: dict[Sequence, np.ndarray] = {}
+    def _catch_up(self, shadows: dict[Sequence, Sequence], drafts: dict[Sequence, list[int]]) -> None:
+        """Feed every shadow's uncomputed tokens; the row after each one's last token gives its sequence's first
+        draft, chosen before the next step overwrites the logits."""
         todo = list(shadows)
         bs = self.kv.block_size
         while todo:
@@ -136,9 +136,9 @@ class DraftProposer:
             fed, logits = self._feed(group)
             for i, shadow in enumerate(fed):
                 if shadow.num_uncomputed == 0:
-                    rows[shadow] = logits[i].copy()
+                    seq = shadows[shadow]
+                    drafts[seq].append(self._choose(seq, logits[i], 0))
             todo = [s for s, _ in group if s in fed and s.num_uncomputed] + todo[len(group):]
-        return rows
 
     def _choose(self, seq: Sequence, row: np.ndarray, j: int) -> int:
         params = seq.params
@@ -166,8 +166,7 @@ class DraftProposer:
 
     def _draft(self, shadows: dict[Sequence, Sequence], wanted: dict[Sequence, int],
                drafts: dict[Sequence, list[int]]) -> None:
-        for shadow, row in self._catch_up(list(shadows)).items():
-            drafts[shadows[shadow]].append(self._choose(shadows[shadow], row, 0))
+        self._catch_up(shadows, drafts)
         for j in range(1, max(wanted.values(), default=0)):
             group = []
             for shadow, seq in shadows.items():

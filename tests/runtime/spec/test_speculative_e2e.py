@@ -35,6 +35,20 @@ def _engine(artifact: Path, spec: dict | None = None, **config: object) -> LLMEn
                                             **config))  # type: ignore[arg-type]
 
 
+def _speculating(artifact: Path, proposer: str, request: pytest.FixtureRequest, **config: object) -> LLMEngine:
+    """`artifact` with n-gram lookup, or with the W8A8 export of the same model drafting on its pools: int8
+    activations make that draft disagree at times (the float32-compute GGUF one, on the target's exact K/V, agrees at
+    every position of these prompts, so no rollback would be tested). Its cost is set to 0 so that it drafts as long
+    as the pace allows, whatever this machine's timing (test_long_output_and_draft_model_greedy_equal_plain)."""
+    if proposer == "ngram":
+        return _engine(artifact, NGRAM, **config)
+    draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact")), "disable_by_batch_size": 16}
+    engine = _engine(artifact, draft, **config)
+    assert engine.speculator.proposer.shared, "the same model at another precision drafts on the target's pools"
+    engine.speculator.proposer.cost = 0.0
+    return engine
+
+
 def _staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Four requests join before each of the first steps, as in tests/runtime/test_reference_e2e.py."""
     pending, ids, results = list(enumerate(prompts)), {}, {}
@@ -58,18 +72,10 @@ def _check_spoke(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_equals_plain_on_the_reference_prompts(smollm2_spec_artifact: Path, reference: list[dict],
                                                       request: pytest.FixtureRequest, proposer: str) -> None:
-    """The 16 reference prompts, staggered, with n-gram lookup and with a draft: the W8A8 artifact, whose int8
-    activations make it disagree at times (the float32-compute GGUF one, on the target's exact K/V, agrees at every
-    position here, so no rollback would be tested)."""
+    """The 16 reference prompts, staggered, with n-gram lookup and with a draft (`_speculating`)."""
     prompts = [r["prompt_token_ids"] for r in reference]
     plain = _engine(smollm2_spec_artifact)
-    if proposer == "ngram":
-        spec = _engine(smollm2_spec_artifact, NGRAM)
-    else:
-        draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact")), "disable_by_batch_size": 16}
-        spec = _engine(smollm2_spec_artifact, draft)
-        assert spec.speculator.proposer.shared
-        spec.speculator.proposer.cost = 0.0  # see test_long_output_and_draft_model_greedy_equal_plain
+    spec = _speculating(smollm2_spec_artifact, proposer, request)
     want = _staggered(plain, prompts, GREEDY)
     assert _staggered(spec, prompts, GREEDY) == want
     _check_spoke(spec)
@@ -82,15 +88,8 @@ def test_greedy_equals_plain_on_the_reference_prompts(smollm2_spec_artifact: Pat
 def test_rejected_drafts_leave_the_cache_as_a_plain_run(smollm2_spec_artifact: Path, request: pytest.FixtureRequest,
                                                         proposer: str) -> None:
     """Step by step at B=1: whenever both runs hold the same tokens, refcounts, hashes and free blocks agree. The
-    draft, the W8A8 artifact (the GGUF one agrees all through), runs on the target's pools: the slots it borrows
-    for its drafts are given back."""
-    plain = _engine(smollm2_spec_artifact)
-    if proposer == "ngram":
-        spec = _engine(smollm2_spec_artifact, NGRAM)
-    else:
-        spec = _engine(smollm2_spec_artifact, {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact"))})
-        assert spec.speculator.proposer.shared, "the same model at another precision drafts on the target's pools"
-        spec.speculator.proposer.cost = 0.0  # see test_long_output_and_draft_model_greedy_equal_plain
+    draft runs on the target's pools: the slots it borrows for its drafts are given back."""
+    plain, spec = _engine(smollm2_spec_artifact), _speculating(smollm2_spec_artifact, proposer, request)
     prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
     params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
     a, b = plain.add_request(prompt, params), spec.add_request(prompt, params)
@@ -157,13 +156,8 @@ def test_forks_preemption_chunks_and_grammars_keep_working(smollm2_spec_artifact
     drafts cut to what the grammar allows, each verified position masked). The draft borrows its slots from that
     small pool, the forks' included, and gives them back before the scheduler preempts."""
     config = {"num_blocks": 20, "max_model_len": 256, "long_prefill_token_threshold": 16}
-    plain = _engine(smollm2_spec_artifact, **config)
-    if proposer == "ngram":
-        spec = _engine(smollm2_spec_artifact, NGRAM, **config)
-    else:
-        draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact"))}
-        spec = _engine(smollm2_spec_artifact, draft, **config)
-        spec.speculator.proposer.cost = 0.0
+    plain, spec = _engine(smollm2_spec_artifact, **config), _speculating(smollm2_spec_artifact, proposer, request,
+                                                                         **config)
     prompt = spec.prompts.token_ids({"messages": COPY_PROMPT})
     two = SamplingParams(n=2, max_tokens=64, temperature=0, ignore_eos=True)
     json_params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {"type": "object"}})
