@@ -74,6 +74,15 @@ def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custo
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_BF16_ARTIFACT", "smollm2-bf16", config)
 
 
+@pytest.fixture(scope="session")
+def smollm2_w4a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model exported with `quantization: w4a16` (int4 groups with exact minima, int8 activations): a
+    precision of its own, and the draft docs/usage.md suggests for the fp32 one. PAGEDGRAPH_TEST_W4A16_ARTIFACT reuses
+    a directory exported with the same settings."""
+    config = {"model": {"quantization": "w4a16"}, "export": _NO_BASELINE}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_W4A16_ARTIFACT", "smollm2-w4a16", config)
+
+
 def short_calibration(root: Path) -> dict:
     """Export settings that calibrate int8 KV scales on one short window of the shipped text (seconds, not 20)."""
     from pagedgraph.texts import shipped_text

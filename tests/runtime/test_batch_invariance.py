@@ -26,12 +26,12 @@ from tests.conftest import TEST_EXPORT, short_calibration
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 # Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
-# dtype, w8a16, w4a16 and the GGUF's blocks at the export's default accuracy_level (int8 activations; tests/conftest.py's
+# dtype, w8a16 and the GGUF's blocks at the export's default accuracy_level (int8 activations; tests/conftest.py's
 # gguf artifact computes in float32); the others are tests/conftest.py's.
 CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat16"),
          ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
-         ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "w4a16_artifact", "float32"),
+         ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
          ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
@@ -55,11 +55,6 @@ def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _export(tmp_path_factory.mktemp("w8a16"), {"quantization": "w8a16"}, {})
-
-
-@pytest.fixture(scope="module")
-def w4a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("w4a16"), {"quantization": "w4a16"}, {})
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,14 @@ def _engine(artifact: Path, spec: dict | None = None, **config: object) -> LLMEn
 
 
 def _speculating(artifact: Path, proposer: str, request: pytest.FixtureRequest, **config: object) -> LLMEngine:
-    """`artifact` with n-gram lookup, or with the W8A8 export of the same model drafting on its pools: int8
-    activations make that draft disagree at times (the float32-compute GGUF one, on the target's exact K/V, agrees at
-    every position of these prompts, so no rollback would be tested). Its cost is set to 0 so that it drafts as long
-    as the pace allows, whatever this machine's timing (test_long_output_and_draft_model_greedy_equal_plain)."""
+    """`artifact` with n-gram lookup, or with the w4a16 export of the same model (the draft docs/usage.md suggests)
+    drafting on its pools: int4 weights and int8 activations make it disagree at times (the float32-compute GGUF one,
+    on the target's exact K/V, agrees at every position of these prompts, so no rollback would be tested). Its cost
+    is set to 0 so that it drafts as long as the pace allows, whatever this machine's timing
+    (test_long_output_and_draft_model_greedy_equal_plain)."""
     if proposer == "ngram":
         return _engine(artifact, NGRAM, **config)
-    draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w8a8_artifact")), "disable_by_batch_size": 16}
+    draft = {**DRAFT, "model": str(request.getfixturevalue("smollm2_w4a16_artifact")), "disable_by_batch_size": 16}
     engine = _engine(artifact, draft, **config)
     assert engine.speculator.proposer.shared, "the same model at another precision drafts on the target's pools"
     engine.speculator.proposer.cost = 0.0
