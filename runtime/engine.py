@@ -12,7 +12,7 @@ from ..graphs.contract import DECODE, PREFILL, Gear
 from ..graphs.kv_cache import cache_format
 from .block_pool import CacheStats
 from .executors import CustomOps, check_custom_ops, make_executor
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, SharedKV
 from .kv_pools import KVPools, PoolRequest, bytes_per_block, pool_blocks, weights_bytes
 from .packer import Packer
 from .logits_processors import Penalties
@@ -148,9 +148,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig(),
-                 pools: KVPools | None = None) -> None:
-        """`pools`: another engine's KV pools to run on instead of pools of its own (a draft of the same model shares
-        its target's, runtime/spec/draft.py); their cache dtype wins over `config.kv_cache_dtype`."""
+                 shared_kv: SharedKV | None = None) -> None:
+        """`shared_kv`: another engine's KV pools and block manager to run on instead of its own (a draft of the same
+        model runs on its target's, runtime/spec/draft.py); their cache dtype wins over `config.kv_cache_dtype`."""
         start = time.perf_counter()
         self.artifact = Path(artifact)
         self.manifest = Manifest.load(self.artifact)
@@ -170,17 +170,19 @@ class LLMEngine:
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
-        self.kv_cache_dtype = self.manifest.kv_cache_dtype(pools.kv_cache_dtype if pools else config.kv_cache_dtype,
-                                                           self.artifact)
-        if pools is None:
+        self.kv_cache_dtype = self.manifest.kv_cache_dtype(
+            shared_kv.pools.kv_cache_dtype if shared_kv else config.kv_cache_dtype, self.artifact)
+        if shared_kv is None:
             blocks = pool_blocks(PoolRequest(bytes_per_block(self.manifest, self.kv_cache_dtype),
                                              self.manifest.block_size, self.max_model_len, self.max_num_seqs,
                                              config.num_blocks, config.kv_cache_bytes, weights_bytes(self.artifact)))
-            pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
-        self.pools = pools
-        # The cache dtype is part of every block hash: blocks of two dtypes never match.
-        self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
-                                 f"kv_cache_dtype={self.kv_cache_dtype};".encode() + config.prefix_cache_salt.encode())
+            self.pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
+            # The cache dtype is part of every block hash: blocks of two dtypes never match.
+            self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
+                                     f"kv_cache_dtype={self.kv_cache_dtype};".encode() +
+                                     config.prefix_cache_salt.encode())
+        else:
+            self.pools, self.kv = shared_kv.pools, shared_kv.manager
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
                                    self.max_logits_rows, config.batch_invariant)

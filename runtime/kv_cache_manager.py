@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence as Tokens
 
 from .block_pool import BlockPool, CacheStats, KVBlock
+from .kv_pools import KVPools
 from .sequence import Sequence
 
 CopyPairs = list[tuple[int, int]]
@@ -176,3 +177,12 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         self._hashes.pop(seq, None)
         self._num_registered.pop(seq, None)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """An engine's KV pools with the manager of their blocks: what a draft of the same model runs on instead of a
+    pool of its own (runtime/spec/draft.py)."""
+
+    pools: KVPools
+    manager: KVCacheManager

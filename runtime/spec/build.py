@@ -13,6 +13,7 @@ from ...graphs.contract import DECODE
 from .config import SpeculativeConfig
 from .draft import DraftModel, DraftProposer
 from .ngram import NgramProposer
+from ..kv_cache_manager import SharedKV
 from ..sampler import Sampler
 from ..scheduler import ScheduledBatch
 from ..structured_output import StructuredOutputs
@@ -55,7 +56,8 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     shared = shares_kv(Manifest.load(Path(spec.model), verify=False), target)
     draft = type(target)(spec.model, replace(config, speculative_config=None, gears=None,
                                               max_model_len=target.max_model_len, kv_cache_dtype="auto",
-                                              batch_invariant=False), target.pools if shared else None)
+                                              batch_invariant=False),
+                         SharedKV(target.pools, target.kv) if shared else None)
     problems = []
     if draft.model.vocab_size != target.model.vocab_size:
         problems.append(f"its vocabulary has {draft.model.vocab_size} entries, the target's {target.model.vocab_size}")
@@ -71,8 +73,7 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     log.info("draft %s: %s; a draft token costs %.2f target decode steps", spec.model,
              "the target's model at another precision, on the target's KV pools" if shared
              else "a KV pool of its own (it prefills every prompt)", cost)
-    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size, cost,
-                         target.kv if shared else None)
+    return DraftProposer(draft, spec.num_speculative_tokens, target.model.vocab_size, cost, shared)
 
 
 def shares_kv(draft: Manifest, target: Target) -> bool:

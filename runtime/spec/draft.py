@@ -46,13 +46,12 @@ class DraftModel(Protocol):
 
 
 class DraftProposer:
-    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float,
-                 shared: KVCacheManager | None = None) -> None:
+    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float, shared: bool = False) -> None:
         """`cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both engines' decode steps timed.
-        `shared`: the target's KV manager, when `draft` runs on the target's pools."""
+        `shared`: `draft` runs on the target's KV pools and block manager (`SharedKV`)."""
         self.draft = draft
-        self.kv = shared or draft.kv
-        self.shared = shared is not None
+        self.kv = draft.kv
+        self.shared = shared
         self.cost = cost
         self.k = k
         self.vocab_size = vocab_size
@@ -188,5 +187,5 @@ class DraftProposer:
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
         if shadow is not None and not self.shared:
-            self.draft.kv.free(shadow)
+            self.kv.free(shadow)
         self._q.pop(seq, None)
