@@ -1,7 +1,7 @@
 """Exported ONNX bucket graphs, run by the engine, against HF transformers on the same tiny checkpoints.
 
 Covers what SmolLM2 does not: untied LM heads, Qwen2's q/k/v bias, Mistral, llama3 rope scaling, Qwen3's per-head
-q/k norms with a head_dim of its own.
+q/k norms with a head_dim of its own, Phi-3's fused qkv_proj and gate_up_proj.
 The engine's reported logprobs (top-5 of every generated token) must equal transformers' fp32
 log-softmax, and greedy tokens must match.
 """
@@ -32,6 +32,7 @@ CASES = {
     "qwen2-bias-bf16": dict(arch="qwen2", tie=False, dtype="bfloat16"),
     "qwen3-tied-head-dim-32": dict(arch="qwen3", tie=True, dims={"head_dim": 32}),  # q 4 x 32 over hidden 64
     "qwen3-untied": dict(arch="qwen3", tie=False),
+    "phi3-fused-qkv-gate-up": dict(arch="phi3", tie=False),
 }
 PROMPTS = [[5, 17, 42], list(range(10, 60)), [7], list(range(100, 140, 3))]
 NEW_TOKENS = 12
