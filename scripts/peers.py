@@ -61,14 +61,12 @@ def busy_jiffies() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def shown(argv: list[str], places: dict[str, str]) -> list[str]:
-    """The command as the JSON keeps it: this machine's paths named by what they are (CKPT, WORK, OV_VENV, ...)."""
-    out = []
-    for arg in argv:
-        for path, name in sorted(places.items(), key=lambda item: -len(item[0])):
-            arg = arg.replace(path, name)
-        out.append(arg)
-    return out
+def shown(results: Any, places: dict[str, str]) -> Any:
+    """`results` as the JSON keeps them: this machine's paths named by what they are (CKPT, WORK, OV_VENV, ...)."""
+    text = json.dumps(results)
+    for path, name in sorted(places.items(), key=lambda item: -len(item[0])):
+        text = text.replace(path, name)
+    return json.loads(text)
 
 
 def measure(run: Run, threads: int, timeout: float) -> dict[str, Any]:
@@ -238,8 +236,7 @@ def main() -> None:
     places = {sys.executable: "python", str(args.work): "WORK", str(args.checkpoint): "CKPT", str(REPO) + "/": "",
               str(Path(args.openvino_venv)): "OV_VENV", str(Path(args.vllm_venv)): "VLLM_VENV",
               str(Path(args.llama_venv)): "LLAMA_VENV", str(paths["gguf"]): "Q8_0.gguf"}
-    for result in results:
-        result["command"] = shown(result["command"], places)
+    results = shown(results, places)
     text = table(results)
     print(text)
     if args.markdown:
