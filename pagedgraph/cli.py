@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .artifact.settings import ConfigError, validate, with_overrides
+from .artifact.settings import ConfigError, json_lines, validate, with_overrides
 from .graphs.kv_cache import KV_CACHE_DTYPES
 from . import __version__
 from .texts import shipped_text
@@ -82,18 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _read_requests(path: Path) -> list[dict[str, Any]]:
-    requests = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise ConfigError(f"{path}:{number}: each line must be a JSON object")
-        requests.append(item)
-    return requests
+    return [item for _, item in json_lines(path)]
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..artifact.settings import json_lines
+
 FIELDS = ("prompt_tokens", "completion_tokens")
 
 
@@ -45,16 +47,7 @@ def read_trace(path: str | Path, max_model_len: int | None = None) -> list[Trace
         raise TraceError(f"trace {path} does not exist; write one JSON object per line with prompt_tokens and "
                          "completion_tokens, or set server.request_log in a deployment to record one")
     requests = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(item, dict):
-            raise TraceError(f"{where}: each line must be a JSON object with prompt_tokens and completion_tokens")
+    for where, item in json_lines(path, TraceError):
         request = TraceRequest(_field(item, "prompt_tokens", where, 1), _field(item, "completion_tokens", where, 1))
         total = request.prompt_tokens + request.completion_tokens
         if max_model_len is not None and total > max_model_len:
