@@ -231,7 +231,7 @@ def test_api_key_is_required(server: ServerThread) -> None:
     ({"prompt": "hi", "min_p": 2}, 400, "min_p", None),
     ({"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo", None),
-    ({"prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"prompt": ["a", ""]}, 400, "prompt[1]", None),
     ({"prompt": 5}, 400, "prompt", None),
     ({"prompt": "hi", "stop": 5}, 400, "stop", None),
     ({"prompt": [], "max_tokens": 2}, 400, "prompt", None),
