@@ -279,22 +279,29 @@ class Frontend:
                              "aborted", type_="timeout_error", code="request_timeout")
 
     async def _wait(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput]:
-        """Every prompt's final output, in order; the first to fail or time out ends the wait for all."""
+        """Every prompt's final output, in order; or the first that failed (the caller answers its error)."""
         each = [asyncio.ensure_future(handle.result()) for handle in handles]
-        result = asyncio.gather(*each)
         gone = asyncio.ensure_future(_disconnected(request))
+        left = set(each)
         try:
-            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+            while left and not gone.done():
+                done, _ = await asyncio.wait((*left, gone), return_when=asyncio.FIRST_COMPLETED)
+                left -= done
+                if any(f.exception() is not None or f.result().error for f in done if f in each):
+                    break
         finally:
-            for future in (*each, result, gone):
+            for future in (*each, gone):
                 future.cancel()
-        if not result.done() or result.cancelled():
+        ended = [f for f in each if f.done() and not f.cancelled()]
+        failed = next((f for f in ended if f.exception() is not None or f.result().error), None)
+        if failed is None and len(ended) < len(each):
             raise APIError(499, "the client closed the connection", code="client_closed_request")
-        if isinstance(result.exception(), TimeoutError):
+        if failed is not None and isinstance(failed.exception(), TimeoutError):
             raise self._timeout()
-        for out in result.result():
+        outs = [f.result() for f in each] if failed is None else [failed.result()]
+        for out in outs:
             self._finished(out)
-        return result.result()
+        return outs
 
     async def _events(self, handles: list[RequestHandle], fmt: Format, n: int, hold: int,
                       include_usage: bool) -> AsyncIterator[str]:

@@ -167,3 +167,19 @@ def test_prompts_count_one_by_one_against_max_concurrent_requests(server: Server
     finally:
         frontend.limits = limits
     _idle(server)
+
+
+def test_a_failed_step_fails_the_whole_request_and_frees_every_prompt(server: ServerThread,
+                                                                     client: openai.OpenAI) -> None:
+    packer = server.app.state.frontend.loop.engine.packer
+
+    def broken(batch: Any) -> Any:
+        del packer.select  # fail once, then the class's method again
+        raise RuntimeError("injected")
+
+    packer.select = broken
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=4)
+    assert err.value.response.json()["error"]["message"] == "engine step failed: injected"
+    _idle(server)
+    assert len(client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=2).choices) == len(PROMPTS)

@@ -40,29 +40,24 @@ GENERATE_DOCS = [
     {"question": "Which planet do we live on?", "answer": "Earth"},
     {"question": "What colour is grass?", "answer": "green"},
 ]
-CHOICE_TASK = """task: pagedgraph_choice
+# What makes a task: lm-eval reads a local JSONL through `datasets`' json loader, into a cache of our own.
+TASK_SOURCE = """task: pagedgraph_{name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
   cache_dir: {cache}
 test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+"""
+CHOICE_TASK = """output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
 doc_to_choice: choices
 doc_to_target: answer
 metric_list:
   - metric: acc
 """
-GENERATE_TASK = """task: pagedgraph_generate
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
-output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
+GENERATE_TASK = """output_type: generate_until
+doc_to_text: "Q: {{question}}\\nA:"
 doc_to_target: answer
 generation_kwargs:
   until: ["\\n", "."]
@@ -85,10 +80,10 @@ def server(smollm2_artifact: Path) -> Iterator[ServerThread]:
 def tasks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The two tasks as lm-eval finds custom ones: YAML files in an include path, data in local JSONL files."""
     root = tmp_path_factory.mktemp("lm_eval_tasks")
-    for name, docs, template in (("choice", CHOICE_DOCS, CHOICE_TASK), ("generate", GENERATE_DOCS, GENERATE_TASK)):
+    for name, docs, task in (("choice", CHOICE_DOCS, CHOICE_TASK), ("generate", GENERATE_DOCS, GENERATE_TASK)):
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-        (root / f"{name}.yaml").write_text(template.format(data=data, cache=root / "datasets"))
+        (root / f"{name}.yaml").write_text(TASK_SOURCE.format(name=name, data=data, cache=root / "datasets") + task)
     return lm_eval_tasks.TaskManager(include_path=str(root))
 
 
