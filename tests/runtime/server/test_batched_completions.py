@@ -109,7 +109,7 @@ def test_more_prompts_than_the_cap_are_refused_naming_the_setting(client: openai
     ("a\ud800b", "prompt[2]", "prompt[2]: the prompt is not valid Unicode"),  # the tokenizer's
     (" word" * 300, "prompt[2]", "prompt[2]: the prompt is"),  # longer than max_model_len
     ([5, VOCAB], "prompt[2]", f"prompt[2]: token ids must be integers in [0, {VOCAB})"),
-])
+], ids=["empty", "surrogate", "too-long", "out-of-vocabulary"])
 def test_one_bad_prompt_fails_the_request_by_its_position_and_nothing_runs(server: ServerThread, bad: Any,
                                                                            param: str, words: str) -> None:
     same_kind = PROMPTS if isinstance(bad, str) else [[1, 2, 3]] * 4

@@ -9,8 +9,8 @@ for the same tokens (`runtime/perplexity.py`).
 """
 from __future__ import annotations
 
+import functools
 import json
-import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -106,10 +106,22 @@ def _generations(results: dict[str, Any], task: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def completions(server: ServerThread, tasks: Any) -> dict[int, dict[str, Any]]:
-    """Both tasks through local-completions, at batch sizes 1 and 4."""
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    return {size: _evaluate(server, tasks, "local-completions", ["pagedgraph_choice", "pagedgraph_generate"], size)
-            for size in (1, 4)}
+    """Both tasks through local-completions, at batch sizes 1 and 4; `sent`: the prompts of each request it sent."""
+    requests = client_library("lm_eval.models.api_models").requests
+    runs = {}
+    for size in (1, 4):
+        sent: list[int] = []
+        post = requests.post
+
+        def counted(url: str, json: dict[str, Any], **kwargs: Any) -> Any:
+            sent.append(len(json["prompt"]))
+            return post(url, json=json, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(requests, "post", counted)
+            runs[size] = {**_evaluate(server, tasks, "local-completions", ["pagedgraph_choice", "pagedgraph_generate"],
+                                      size), "sent": sent}
+    return runs
 
 
 def test_lm_eval_tokenizes_through_the_server(server: ServerThread) -> None:
@@ -122,6 +134,7 @@ def test_lm_eval_tokenizes_through_the_server(server: ServerThread) -> None:
 
 def test_batch_size_4_scores_exactly_as_batch_size_1(completions: dict[int, dict[str, Any]]) -> None:
     one, four = completions[1], completions[4]
+    assert set(one["sent"]) == {1} and max(four["sent"]) == 4 and sum(four["sent"]) == sum(one["sent"])
     assert _loglikelihoods(four) == _loglikelihoods(one)
     assert four["results"]["pagedgraph_choice"]["acc,none"] == one["results"]["pagedgraph_choice"]["acc,none"]
     assert _generations(four, "pagedgraph_generate") == _generations(one, "pagedgraph_generate")
@@ -137,12 +150,14 @@ def test_loglikelihoods_equal_pagedgraph_eval_on_the_same_tokens(completions: di
     equals eval(context + continuation) - eval(context), on the token ids lm-eval sent."""
     engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, threads=2, max_model_len=256))
 
-    def total(ids: list[int]) -> float:
-        result = perplexity(engine, ids, context=len(ids))
+    @functools.cache
+    def total(ids: tuple[int, ...]) -> float:
+        result = perplexity(engine, list(ids), context=len(ids))
         return -result.nll * result.num_scored
 
-    def encode(text: str) -> list[int]:
-        return httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}
+                                ).json()["tokens"])
 
     samples = completions[4]["samples"]["pagedgraph_choice"]
     assert len(samples) == len(CHOICE_DOCS)
