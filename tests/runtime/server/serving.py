@@ -51,6 +51,17 @@ def serve(artifact: Path, **sections: dict[str, Any]) -> Iterator[ServerThread]:
         thread.stop()
 
 
+def fail_the_next_step(server: ServerThread) -> None:
+    """The engine's next step raises RuntimeError("injected"), once: the step after it runs as ever."""
+    packer = server.app.state.frontend.loop.engine.packer
+
+    def broken(batch: Any) -> Any:
+        del packer.select  # the class's method again
+        raise RuntimeError("injected")
+
+    packer.select = broken
+
+
 def client_library(name: str) -> ModuleType:
     """A client of the `clients` extra (lm-evaluation-harness, LangChain): skipped where it is not installed, a
     failure in CI, where scripts/test.sh installs it."""

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.runtime.server.serving import MODEL, ServerThread, serve
+from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
 from tests.runtime.server.test_server import _metrics, _wait_for
 
 MAX_PROMPTS = 6
@@ -171,13 +171,7 @@ def test_prompts_count_one_by_one_against_max_concurrent_requests(server: Server
 
 def test_a_failed_step_fails_the_whole_request_and_frees_every_prompt(server: ServerThread,
                                                                      client: openai.OpenAI) -> None:
-    packer = server.app.state.frontend.loop.engine.packer
-
-    def broken(batch: Any) -> Any:
-        del packer.select  # fail once, then the class's method again
-        raise RuntimeError("injected")
-
-    packer.select = broken
+    fail_the_next_step(server)
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=4)
     assert err.value.response.json()["error"]["message"] == "engine step failed: injected"
