@@ -2,7 +2,7 @@
 # Install everything the test suite needs, then run it (CI runs exactly this).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore,fleet]"
+python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore,fleet,clients]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
 # CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
 python -m pagedgraph.cpu_kernels.ort_headers
