@@ -97,7 +97,10 @@ class ServerSection(Settings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer <key>` on /v1/*")
-    max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations; more get 429")
+    max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations (one per prompt); more "
+                                                                "get 429")
+    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one /v1/completions body (a list of "
+                                                               "them); more get 400")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer is aborted")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are parsed")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
