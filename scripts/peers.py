@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -75,11 +76,16 @@ def measure(run: Run, threads: int, timeout: float) -> dict[str, Any]:
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     print(f"{run.name}: {' '.join(run.argv)}", file=sys.stderr, flush=True)
+    # A session of its own, so a run past the timeout is ended with every process it started (vLLM's engine core
+    # and workers outlive their parent otherwise).
+    proc = subprocess.Popen(run.argv, env={**os.environ, **run.env}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run(run.argv, env={**os.environ, **run.env}, cwd=REPO, timeout=timeout,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-600:]}"
+        _, err = proc.communicate(timeout=timeout)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {err.strip()[-600:]}"
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         status = f"timed out after {timeout:.0f} s"
     wall = time.perf_counter() - start
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
