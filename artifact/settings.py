@@ -1,6 +1,7 @@
 """YAML -> typed settings with one error style: the field path, the value, and what is allowed."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,3 +64,11 @@ def with_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> di
             node = node.setdefault(key, {})
         node[leaf] = value
     return data
+
+
+def replace_block(document: str, begin: str, end: str, body: str) -> str:
+    """`document` with the text between the marker lines `begin` and `end` replaced by `body` (a generated table)."""
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(document):
+        raise ValueError(f"the document has no such markers: add the lines {begin!r} and {end!r}")
+    return pattern.sub(lambda _: f"{begin}\n{body}{end}", document)

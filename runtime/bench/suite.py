@@ -127,16 +127,16 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     print(f"paged engine ({options.executor}): {len(requests)} {options.workload} requests ...", file=log)
     record = run_engine(engine, requests)
     # Whether the fused ops ran as pagedgraph's custom ops ("auto" may have fallen back); None: not ONNX Runtime.
-    record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
+    record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.runner.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = weights_bytes(Path(options.artifact))
-    record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.pools.num_blocks,
-                        kv_bytes_per_block=engine.pools.bytes_per_block)
-    resident = resident_bytes(engine.pools.values())
-    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes, kv_cache_resident_bytes=resident,
+    record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.runner.pools.num_blocks,
+                        kv_bytes_per_block=engine.runner.pools.bytes_per_block)
+    resident = resident_bytes(engine.runner.pools.values())
+    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.runner.pools.nbytes, kv_cache_resident_bytes=resident,
                         rss_beyond_kv_bytes=record.peak_rss_bytes - resident,
                         rss_beyond_weights_kv_bytes=record.peak_rss_bytes - resident - weights, load_s=engine.stats.load_s,
-                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
+                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.runner.pools.nbytes))
     return record, requests, engine
 
 

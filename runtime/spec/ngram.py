@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from ..sequence import Sequence
+from ..scheduler import Sequence
 
 
 def lookup(tokens: np.ndarray, low: int, high: int, k: int) -> np.ndarray:

@@ -37,7 +37,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(artifact: Path, executor: str, prompts: list[list[int]]) -> tuple[RecordingExecutor, list[list[int]]]:
     engine = LLMEngine(artifact, EngineConfig(num_blocks=64, executor=executor, threads=2))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
     done: dict[str, list[int]] = {}

@@ -186,7 +186,7 @@ def test_header_is_extracted_from_a_deb() -> None:
 def _run(artifact: Path, custom_ops: str, prompts: list[list[int]]) -> RecordingExecutor:
     """The engine (its own scheduler and packer) serving `prompts` greedily, every step's logits recorded."""
     engine = LLMEngine(artifact, EngineConfig(num_blocks=16, threads=2, custom_ops=custom_ops))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)

@@ -39,7 +39,7 @@ import sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
-for pool in engine.executor.pools.values():
+for pool in engine.runner.executor.pools.values():
     pool.fill(0)
 params = SamplingParams(max_tokens=1, temperature=0)
 engine.add_request(list(range(100, 110)), params)

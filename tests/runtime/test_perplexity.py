@@ -43,7 +43,7 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
     (run,) = json.loads(out.read_text())["runs"]
 
     engine = LLMEngine(smollm2_artifact, EngineConfig(enable_prefix_caching=False))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     ids = engine.tokenizer.encode(SHORT)
     nll, scored = 0.0, 0
     prev_end = 0

@@ -19,7 +19,7 @@ from pagedgraph.runtime.constraints import Constraint
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from pagedgraph.runtime.structured_output import GrammarCompiler, StructuredOutputs
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.tokenizer import Tokenizer
 
 PERSON = {"type": "object", "properties": {

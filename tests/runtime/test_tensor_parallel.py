@@ -65,7 +65,7 @@ class _Recorder:
 
 def _serve(artifact: Path) -> tuple[list[list[int]], list[np.ndarray], LLM]:
     llm = LLM(artifact, threads=1)
-    recorder = llm.engine.executor = _Recorder(llm.engine.executor)
+    recorder = llm.engine.runner.executor = _Recorder(llm.engine.runner.executor)
     prompts = [json.loads(line)["prompt"] for line in (DATA / "reference_prompts.jsonl").read_text().splitlines()[:6]]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outputs], recorder.logits, llm
@@ -89,8 +89,8 @@ def test_greedy_output_and_logits_equal_tp1(served: dict, size: int) -> None:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_pool_holds_its_kv_heads(served: dict, artifacts: dict[int, Path], size: int) -> None:
-    whole = served[1][2].engine.pools
-    pools = served[size][2].engine.pools
+    whole = served[1][2].engine.runner.pools
+    pools = served[size][2].engine.runner.pools
     rank_layout = Manifest.load(artifacts[size], verify=False).ranks
     head_dim = DIMS["hidden_size"] // DIMS["num_attention_heads"]
     assert pools.nbytes == whole.nbytes and pools.num_blocks == whole.num_blocks
@@ -197,7 +197,7 @@ def test_smollm2_over_3_ranks_equals_tp1_and_follows_hf(smollm2_artifact: Path, 
     runs = {}
     for size, artifact in ((1, smollm2_artifact), (3, tmp_path / "tp3")):
         llm = LLM(artifact, threads=2)
-        recorder = llm.engine.executor = _Recorder(llm.engine.executor)
+        recorder = llm.engine.runner.executor = _Recorder(llm.engine.runner.executor)
         outputs = llm.generate([r["prompt_token_ids"] for r in reference],
                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
         runs[size] = [o.outputs[0].token_ids for o in outputs], recorder.logits

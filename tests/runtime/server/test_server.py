@@ -264,7 +264,7 @@ def test_bad_chat_requests_and_bodies(client: openai.OpenAI, server: ServerThrea
 
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(client: openai.OpenAI,
                                                                          server: ServerThread) -> None:
-    packer = server.app.state.frontend.loop.engine.packer
+    packer = server.app.state.frontend.loop.engine.runner.packer
 
     def broken(batch: Any) -> Any:
         del packer.select  # fail once, then the class's method again

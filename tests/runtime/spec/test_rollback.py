@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 
 BS = 16
 

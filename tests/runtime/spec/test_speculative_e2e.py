@@ -138,7 +138,7 @@ def test_a_draft_that_cannot_share_the_cache_keeps_its_own(smollm2_w8a8_artifact
     plain = _engine(smollm2_w8a8_artifact, kv_cache_dtype="int8")
     draft = _engine(smollm2_w8a8_artifact, {**DRAFT, "model": str(smollm2_gguf_artifact)}, kv_cache_dtype="int8")
     proposer = draft.speculator.proposer
-    assert not proposer.shared and proposer.draft.pools.kv_cache_dtype == "float32"
+    assert not proposer.shared and proposer.runner.pools.kv_cache_dtype == "float32"
     # Nor would a draft with int8 graphs share it: the target's int8 rows are read with the target's own scales.
     assert not shares_kv(Manifest.load(smollm2_w8a8_artifact), draft)
     proposer.cost = 0.0
@@ -146,7 +146,7 @@ def test_a_draft_that_cannot_share_the_cache_keeps_its_own(smollm2_w8a8_artifact
     prompts = [prompt, prompt[:30]]
     assert _staggered(draft, prompts, GREEDY) == _staggered(plain, prompts, GREEDY)
     _check_spoke(draft)
-    own = proposer.draft.kv
+    own = proposer.kv
     assert own.num_free_blocks == own.pool.num_blocks - 1, "the draft's own pool leaked blocks"
 
 

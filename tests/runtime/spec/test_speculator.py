@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.spec.config import SpeculativeConfig
 from pagedgraph.runtime.spec.speculator import FIRST_PAUSE, LAST_PROBE, Speculator
 
