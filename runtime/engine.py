@@ -10,10 +10,9 @@ from typing import Any, Iterable, Mapping, Sequence as Seq
 import numpy as np
 
 from ..artifact.manifest import Manifest
-from ..graphs.contract import DECODE, PREFILL, Gear
-from ..graphs.kv_cache import cache_format
+from ..graphs.contract import DECODE, PREFILL
 from .constraints import Constraint
-from .executors import CustomOps, check_custom_ops
+from .deploy_config import EngineConfig
 from .kv_cache_manager import CacheStats, KVCacheManager
 from .kv_pools import KVPools
 from .logits_processors import Penalties
@@ -25,44 +24,8 @@ from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, Reque
                               resolve_max_tokens)
 from .scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from .spec.build import Target, speculator_for
-from .spec.config import SpeculativeConfig, speculative_config
 from .structured_output import GrammarCompiler, StructuredOutputs
 from .tokenizer import Prompt, PromptEncoder, Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    # The KV pool's size: num_blocks wins over kv_cache_bytes; neither: sized from the model and the free memory
-    # (runtime/kv_pools.py, pool_blocks). Too small for one max_model_len sequence is an error at start.
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the artifact's
-    threads: int | None = None
-    gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
-    enable_prefix_caching: bool = True
-    prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
-    long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
-    enable_chunked_prefill: bool = True  # false: every prompt in one step (needs max_num_batched_tokens >= max_model_len)
-    # Greedy output independent of what else runs (Scheduler and Packer; docs/performance.md, "Batch invariance").
-    batch_invariant: bool = True
-    executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
-    # ONNX Runtime only: the fused ops as pagedgraph's C++ custom ops; "auto" falls back (one warning) when they
-    # cannot be built, "on" raises instead, "off" runs their ONNX function bodies. MindSpore ignores it: its
-    # MINDIR graphs call pagedgraph's kernels themselves.
-    custom_ops: CustomOps = "auto"
-    # What the KV pools hold: "auto" (the artifact's compute dtype), float32, bfloat16, float16 or int8; the
-    # artifact must have that dtype's graphs (export.kv_cache_dtypes). Pool sizing follows its bytes per block.
-    kv_cache_dtype: str = "auto"
-    # vLLM's speculative_config (runtime/spec/config.py): a SpeculativeConfig, or its keys as a mapping or JSON.
-    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
-
-    def __post_init__(self) -> None:
-        check_custom_ops(self.custom_ops)
-        object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
-        if self.kv_cache_dtype != "auto":
-            cache_format(self.kv_cache_dtype)  # a clear error for an unknown name
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Sequences (a request's state as it moves through the engine) and the scheduler that runs them: continuous
 batching under a token budget, decodes first, chunked prefill, preemption by recompute.
 
-A sequence is waiting, running or finished (`SequenceStatus`: the scheduler's states). Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs` sequences:
-running decodes first, then running prefill chunks, then new admissions (FCFS, prefix hits
-first), so a long prompt is fed in block-aligned chunks and cannot stall decodes. When a running
+A sequence is waiting, running or finished (`SequenceStatus`: the scheduler's states). Each step spends at most
+`max_num_batched_tokens` tokens on at most `max_num_seqs` sequences: running decodes first, then running prefill
+chunks, then new admissions (FCFS, prefix hits first), so a long prompt is fed in block-aligned chunks and cannot
+stall decodes. When a running
 sequence needs a block and none is free or evictable, the lowest-priority running sequence (the
 latest arrival, `running[-1]`) is preempted: its blocks are freed (they stay cached) and it returns
 to the front of the waiting queue with its tokens, to be recomputed on readmission.
