@@ -44,3 +44,10 @@ def test_no_words_about_people_or_process_in_the_tree() -> None:
         found += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
                   if PROCESS_WORDS.search(line)]
     assert not found, "state conditions (date, CPU flags, load average, command) instead:\n" + "\n".join(found)
+
+
+def test_the_performance_page_holds_current_results_only() -> None:
+    """One row per figure, the latest; earlier runs and what was tried and dropped live in docs/bench/history.md."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 300, "move history to docs/bench/history.md"
+    assert "Earlier:" not in text and "(bench/history.md)" in text
