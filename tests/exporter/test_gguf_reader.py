@@ -12,6 +12,8 @@ from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_
 from pagedgraph.graphs.config import SUPPORTED_ARCHITECTURES
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def smollm2() -> Checkpoint:

@@ -29,6 +29,7 @@ from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.paths import REPO  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
+pytestmark = pytest.mark.unit
 BLOCK = 16
 MAX_LEN = 64
 ATOL = 1e-4

@@ -30,6 +30,7 @@ from pagedgraph.runtime.executor_ort import register_custom_ops
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
+pytestmark = pytest.mark.unit
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
 ATTRS = {"head_num": HEADS, "kv_head_num": KV_HEADS, "head_dim": HEAD_DIM, "qk_scale": HEAD_DIM ** -0.5}
 

@@ -13,6 +13,8 @@ from pagedgraph.cli import main
 from pagedgraph.runtime.bench.suite import BenchOptions
 from pagedgraph.runtime.engine import LLM, LLMEngine
 
+pytestmark = pytest.mark.e2e
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pagedgraph.cli", *args], capture_output=True, text=True, timeout=600)

@@ -8,8 +8,11 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 PROCESS_WORDS = re.compile(r"\bengineers?\b|\bsittings?\b|\block[- ]holds?\b|\bcpu[- ]lock\b|\bissues? #?\d+",
                            re.IGNORECASE)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

@@ -9,10 +9,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pagedgraph.graphs.contract import NULL_BLOCK
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def _decode_seconds(artifact: Path, num_blocks: int) -> tuple[float, LLMEngine]:

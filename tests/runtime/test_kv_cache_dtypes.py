@@ -18,6 +18,8 @@ from pagedgraph.exporter.onnx.graph_builder import op_model
 from pagedgraph.graphs import ops
 from pagedgraph.graphs.kv_cache import KV_CACHE_DTYPES, cache_format, dequantize, int8_params, quantize
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def library(custom_op_library: Path) -> str:

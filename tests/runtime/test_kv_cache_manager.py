@@ -16,6 +16,7 @@ from pagedgraph.runtime.kv_cache_manager import KVCacheManager, block_hash, exte
 from pagedgraph.runtime.scheduler import Sequence
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
+pytestmark = pytest.mark.unit
 BS = 4
 
 def ids(blocks: list[KVBlock]) -> list[int]:

@@ -5,8 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.paths import REPO
 
+pytestmark = pytest.mark.e2e
 PROBE = """
 import os, sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine

@@ -16,6 +16,7 @@ from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.runtime.workloads import shared_prefix_workload
 
+pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 

@@ -16,6 +16,7 @@ from pagedgraph.runtime.engine import LLMEngine, EngineConfig
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
+pytestmark = pytest.mark.unit
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 200, 37)]
 
 

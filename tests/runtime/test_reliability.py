@@ -34,6 +34,7 @@ from pagedgraph.runtime.server import app as server_app
 from tests.runtime.kv_sim import check_invariants
 from tests.runtime.test_deploy_config import _manifest
 
+pytestmark = pytest.mark.e2e
 PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time", "2 + 2 ="]
 # Long enough for 24 tokens on a loaded 2-core machine; far too short for the 1,200-token request on any CPU.
 DRAIN_S = 10

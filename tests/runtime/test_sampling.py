@@ -18,6 +18,7 @@ from pagedgraph.runtime.sampler import Sampler, sample_row
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from pagedgraph.runtime.scheduler import Sequence
 
+pytestmark = pytest.mark.e2e
 VOCAB = 1000
 EOS = 7
 

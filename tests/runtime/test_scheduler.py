@@ -15,6 +15,7 @@ from pagedgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from pagedgraph.runtime.scheduler import Sequence, SequenceStatus
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
+pytestmark = pytest.mark.unit
 BS = 4
 
 

@@ -22,6 +22,7 @@ from pagedgraph.runtime.structured_output import GrammarCompiler, StructuredOutp
 from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.e2e
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
     "age": {"type": "integer", "minimum": 0, "maximum": 130},

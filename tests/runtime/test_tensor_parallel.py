@@ -31,6 +31,7 @@ from tests.paths import DATA
 from tests.random_checkpoint import write_random_llama
 from tests.tiny_models import TINY_DIMS
 
+pytestmark = pytest.mark.e2e
 DIMS = {**TINY_DIMS, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}  # head_dim 16
 SIZES = (1, 2, 4)
 MAX_TOKENS = 8
@@ -184,7 +185,6 @@ def test_ascend_rank_mindir_holds_its_heads_and_hccl_allreduce(tmp_path: Path) -
         assert pools[0].shape[2:] == (2, DIMS["hidden_size"] // DIMS["num_attention_heads"])
 
 
-@pytest.mark.e2e
 def test_smollm2_over_3_ranks_equals_tp1_and_follows_hf(smollm2_artifact: Path, tmp_path: Path) -> None:
     """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its one split) with the session artifact's settings, so both run
     the same gears: greedy tokens equal TP=1's and HF's (up to HF's own near ties), logits within 1e-4 of TP=1's."""

@@ -26,6 +26,7 @@ from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 from tests.runtime.server.test_server import _wait_for
 
+pytestmark = pytest.mark.e2e
 MAX_MODEL_LEN = 256
 MAX_BODY = 1 << 20
 VOCAB = 49152

@@ -17,6 +17,7 @@ from pagedgraph.runtime.engine import LLM
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
+pytestmark = pytest.mark.e2e
 KEY = "sampling-key"
 PROMPT = "one two three one two three one two three one two"
 PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"1167": 8}}
