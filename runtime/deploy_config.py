@@ -136,7 +136,11 @@ class ServerSection(Settings):
                                 description="when set, `/v1/*`, `/tokenize` and `/detokenize` require "
                                             "`Authorization: Bearer <key>` (401 otherwise); `/health`, `/version` "
                                             "and `/metrics` stay open")
-    max_concurrent_requests: int = Field(256, ge=1, description="generations in flight; more get 429")
+    max_concurrent_requests: int = Field(256, ge=1, description="generations in flight (each prompt of a request is "
+                                                                "one); more get 429")
+    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one `/v1/completions` request (a list of "
+                                                               "them); more get 400 naming the setting. 64 covers "
+                                                               "lm-evaluation-harness's usual `--batch_size` values")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer is aborted (408, or an "
                                                               "error event when streaming)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are parsed")

@@ -5,13 +5,12 @@ Every test file states what it costs with `pytestmark = pytest.mark.<tier>`:
 - `e2e`: the real model, through the shared session exports below (`real_model_fixture`);
 - `slow`: what costs more than that: an export or a server of its own, a long run.
 A test without exactly one tier, or a `unit` test that uses a real-model fixture, stops the collection; a `unit`
-test that opens the real model's GGUF (an export of it, or its reader) fails.
+test that exports the real model fails.
 """
 from __future__ import annotations
 
 import io
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -168,10 +167,11 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def missing_toolchain(what: str, error: Exception) -> NoReturn:
     """The one skip policy for tests that need the C++ compiler or ONNX Runtime's header: CI (CI=true) must
-    have both (scripts/test.sh installs them), so there the test fails; elsewhere it skips, saying why."""
+    have both (scripts/test.sh installs them), so there the test fails; elsewhere it skips, saying why (a whole
+    module, when called at its import)."""
     if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
         pytest.fail(f"CI must have {what} (scripts/test.sh installs it): {error}")
-    pytest.skip(f"no {what}: {error}")
+    pytest.skip(f"no {what}: {error}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
@@ -225,49 +225,56 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError("test tiers (tests/conftest.py):\n" + "\n".join(problems))
 
 
-def _real_model_path() -> str | None:
+class _RealModelGuard:
+    """Records an export of the real model while armed (from the setup of a `unit` test, its module and session
+    fixtures included, to its end): exporter/export.py reading the default checkpoint, watched at the one call
+    every export makes. Reading only the model's tokenizer is no export."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.exported = False
+
+    def install(self) -> None:
+        from pagedgraph.exporter import export as module
+        from pagedgraph.exporter.checkpoint import DEFAULT_SOURCE
+
+        read, default = module.read_checkpoint, _real_model_path()
+
+        def read_checkpoint(source: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed and (str(source) == DEFAULT_SOURCE or default is not None and Path(source) == default):
+                self.exported = True
+            return read(source, *args, **kwargs)
+
+        module.read_checkpoint = read_checkpoint
+
+    def check(self, item: pytest.Item) -> None:
+        if self.exported:
+            self.exported = False
+            pytest.fail(f"{item.nodeid} is marked unit but exported the real model: take it from a shared session "
+                        f"fixture (tests/conftest.py) and mark the file e2e, or mark it slow", pytrace=False)
+
+
+def _real_model_path() -> Path | None:
     from pagedgraph.exporter.checkpoint.base import CheckpointError
     from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
 
     try:
-        return str(default_model_path())
+        return default_model_path()
     except CheckpointError:
         return None
 
 
-class _RealModelGuard:
-    """Records the real model's GGUF being opened (Python's audit hook on `open`) while armed: from the setup of a
-    `unit` test (its module and session fixtures included) to its end."""
-
-    def __init__(self) -> None:
-        self.path = _real_model_path()
-        self.armed = False
-        self.opened = False
-        if self.path is not None:
-            sys.addaudithook(self._hook)
-
-    def _hook(self, event: str, args: tuple[Any, ...]) -> None:
-        if self.armed and event == "open" and isinstance(args[0], (str, os.PathLike)) \
-                and os.fspath(args[0]) == self.path:
-            self.opened = True
-
-    def check(self, item: pytest.Item) -> None:
-        if self.opened:
-            self.opened = False
-            pytest.fail(f"{item.nodeid} is marked unit but opened the real model ({self.path}): take it from a shared "
-                        f"session fixture (tests/conftest.py) and mark the file e2e, or mark it slow", pytrace=False)
-
-
 _GUARD = _RealModelGuard()
+_GUARD.install()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before any fixture of the test runs."""
-    _GUARD.armed, _GUARD.opened = item.get_closest_marker("unit") is not None, False
+    _GUARD.armed, _GUARD.exported = item.get_closest_marker("unit") is not None, False
 
 
 @pytest.fixture(autouse=True)
-def _unit_tests_stay_off_the_real_model(request: pytest.FixtureRequest) -> Iterator[None]:
+def _unit_tests_export_no_real_model(request: pytest.FixtureRequest) -> Iterator[None]:
     _GUARD.check(request.node)  # what the test's fixtures did
     yield
     _GUARD.check(request.node)  # what the test did

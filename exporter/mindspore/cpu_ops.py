@@ -48,6 +48,17 @@ class RmsNorm(Body):
         return x / ops.sqrt(variance + self.epsilon) * weight
 
 
+class RmsNormHeads(RmsNorm):
+    """Each head's RmsNorm: x viewed as [T * heads, head_dim] rows."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__(attrs, target)
+        self.head_dim = attrs.head_dim
+
+    def construct(self, x, weight):
+        return ops.reshape(self.normalize(ops.reshape(x, (-1, self.head_dim)), weight), x.shape)
+
+
 class AddRmsNorm(RmsNorm):
     """The plain Add and RmsNorm: MindSpore's AddRmsNorm kernel is Ascend only."""
 
@@ -116,7 +127,8 @@ class SelfAttention(Body):
 
 MINDSPORE_CPU: Lowering[Any] = Lowering(
     "mindspore-cpu", "exporter/mindspore/cpu_ops.py (shared: exporter/mindspore/common_ops.py)",
-    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ADD_RMS_NORM: AddRmsNorm, op_set.ROPE: Rope,
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.RMS_NORM_HEADS: RmsNormHeads, op_set.ADD_RMS_NORM: AddRmsNorm,
+     op_set.ROPE: Rope,
      op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention})
 for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set.BLOCK_MINIMUM):

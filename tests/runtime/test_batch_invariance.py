@@ -11,6 +11,7 @@ drafts rejected (runtime/model_runner.py verifies drafts as decode rows).
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,36 @@ import pytest
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.texts import shipped_text
+from tests.conftest import TEST_EXPORT, short_calibration
 
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
-# Precision -> (the session fixture of its artifact, tests/conftest.py, and the KV-cache dtype checked).
+# Precision -> (the fixture of its artifact, the KV-cache dtype checked): the real model's are tests/conftest.py's
+# session exports; a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8 with an int8 cache is
+# exported here.
 CASES = [("fp32", "smollm2_kv_dtypes_artifact", "float32"), ("fp32", "smollm2_kv_dtypes_artifact", "bfloat16"),
          ("fp32", "smollm2_kv_dtypes_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
          ("w8a16", "smollm2_w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
-         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "smollm2_gguf_int8_artifact", "float32")]
+         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "smollm2_gguf_int8_artifact", "float32"),
+         ("qwen3-w8a8", "qwen3_w8a8_artifact", "int8")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def qwen3_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export
+    from tests.tiny_models import default_model_tokenizer, make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3-w8a8")
+    hf = make_tiny_hf_checkpoint(root / "hf", arch="qwen3", tie=True, tokenizer=default_model_tokenizer(),
+                                 dims={"head_dim": 32, "max_position_embeddings": 2048})
+    options = {**TEST_EXPORT["export"], "baseline": None, "kv_cache_dtypes": ["float32", "int8"],
+               **short_calibration(root)}
+    export(ExportConfig.model_validate({"model": {"source": str(hf), "quantization": "w8a8"}, "export": options}),
+           root / "artifact", log=io.StringIO())
+    return root / "artifact"
 
 
 def _prompts(llm: LLM) -> tuple[list[int], list[list[int]]]:
