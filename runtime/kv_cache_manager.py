@@ -21,15 +21,31 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence as Tokens
+from typing import Iterator, Protocol, Sequence as Tokens
 
 from ..graphs.contract import NULL_BLOCK
 from .kv_pools import KVPools
 
-if TYPE_CHECKING:
-    from .scheduler import Sequence
-
 CopyPairs = list[tuple[int, int]]
+
+
+class BlockHolder(Protocol):
+    """What the manager reads and writes of a sequence (runtime/scheduler.py's `Sequence`): its tokens, the blocks that
+    hold their K/V, and how many of them are computed."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_verified_tokens(self) -> int: ...  # the drafts excluded: only these enter the cache
 
 
 @dataclass
@@ -214,8 +230,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching, self.stats)
         self.enable_prefix_caching = enable_prefix_caching
         self._root = root_hash(salt)
-        self._hashes: dict[Sequence, list[bytes]] = {}
-        self._num_registered: dict[Sequence, int] = {}
+        self._hashes: dict[BlockHolder, list[bytes]] = {}
+        self._num_registered: dict[BlockHolder, int] = {}
 
     @classmethod
     def for_pools(cls, pools: KVPools, enable_prefix_caching: bool = True, salt: str = "") -> "KVCacheManager":
@@ -231,12 +247,12 @@ class KVCacheManager:
     def usage(self) -> KVUsage:
         return KVUsage(self.pool.num_blocks - 1, self.pool.num_free, self.pool.num_cached)
 
-    def _full_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+    def _full_hashes(self, seq: BlockHolder, num_tokens: int) -> list[bytes]:
         hashes = self._hashes.setdefault(seq, [])
         extend_hashes(hashes, self._root, seq.token_ids, self.block_size, num_tokens // self.block_size)
         return hashes
 
-    def computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+    def computed_blocks(self, seq: BlockHolder) -> list[KVBlock]:
         """The longest chain of cached blocks that starts `seq` (a sequence with nothing in the pool).
 
         The last token is always left to compute, so the step that finishes the prompt has logits.
@@ -251,13 +267,13 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def _needs_copy(self, seq: Sequence, start: int) -> bool:
+    def _needs_copy(self, seq: BlockHolder, start: int) -> bool:
         """True when the first token written this step lands in a partly filled block that others hold."""
         index = start // self.block_size
         return start % self.block_size != 0 and index < len(seq.block_table) \
             and self.pool.blocks[seq.block_table[index]].ref_cnt > 1
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+    def allocate_slots(self, seq: BlockHolder, num_new_tokens: int,
                        computed: list[KVBlock] | None = None) -> CopyPairs | None:
         """Make room for `num_new_tokens` after the computed ones (and the `computed` prefix hits).
 
@@ -294,7 +310,7 @@ class KVCacheManager:
         table.extend(b.block_id for b in self.pool.allocate(fresh))
         return copies
 
-    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def cache_blocks(self, seq: BlockHolder, num_tokens: int) -> None:
         """Register the blocks that are full once `seq` holds `num_tokens` tokens' K/V.
 
         The scheduler calls this for a step's sequences once none of them can be preempted in that
@@ -312,7 +328,7 @@ class KVCacheManager:
             self.pool.cache(blocks[seq.block_table[i]], hashes[i])
         self._num_registered[seq] = full
 
-    def rollback(self, seq: Sequence, num_computed: int) -> None:
+    def rollback(self, seq: BlockHolder, num_computed: int) -> None:
         """Keep the K/V of the first `num_computed` tokens only (drafts the target rejected): the blocks past them
         go back to the pool, the table entries are dropped, nothing is copied.
 
@@ -325,7 +341,7 @@ class KVCacheManager:
         del seq.block_table[keep:]
         seq.num_computed_tokens = num_computed
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: BlockHolder, child: BlockHolder) -> None:
         """`child` shares every block of `parent` (a copy of its tokens); writes copy shared partial blocks."""
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -334,7 +350,7 @@ class KVCacheManager:
             self._hashes[child] = list(self._hashes[parent])
         self._num_registered[child] = self._num_registered.get(parent, 0)
 
-    def free(self, seq: Sequence, keep_cached: bool = True) -> None:
+    def free(self, seq: BlockHolder, keep_cached: bool = True) -> None:
         """Release the sequence's blocks tail first; `keep_cached=False` when their contents are suspect."""
         blocks = self.pool.blocks
         self.pool.free([blocks[b] for b in reversed(seq.block_table)], keep_cached)
