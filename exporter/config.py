@@ -88,7 +88,7 @@ class PoolingOptions(Settings):
     type: Literal["last", "mean"] | None = Field(
         None, description="which rows of the final norm's output make a text's vector: `last` (the last token's, as "
                           "Qwen3-Embedding and vLLM's default for decoders) or `mean` (the mean of every token's; the "
-                          "prefix cache is not read for them)",
+                          "prefix cache is not read for them); also `export --pooling`",
         json_schema_extra=shown("the checkpoint's sentence-transformers pooling (`modules.json`, "
                                 "`1_Pooling/config.json`), else `last`"))
     normalize: bool | None = Field(
@@ -96,7 +96,7 @@ class PoolingOptions(Settings):
         json_schema_extra=shown("true; with `type` left out, whether the checkpoint's sentence-transformers modules "
                                 "end in `Normalize`"))
     matryoshka: bool | None = Field(
-        None, description="requests may ask for fewer `dimensions` (Matryoshka: the first d, normalised again); "
+        None, description="requests may ask for fewer `dimensions` (Matryoshka: the first d, then normalised); "
                           "false answers such a request 400",
         json_schema_extra=shown("config.json's `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them"))
     matryoshka_dimensions: list[int] | None = Field(

@@ -34,9 +34,9 @@ def pooling_head(source: Path, options: PoolingOptions) -> Pooling:
 
 def check_pooling(config: ModelConfig) -> None:
     """The Matryoshka dimensions against the model's hidden size."""
-    pooling = config.pooling
-    if pooling is not None and pooling.matryoshka_dimensions and max(pooling.matryoshka_dimensions) > config.hidden_size:
-        raise ConfigError(f"export.pooling.matryoshka_dimensions = {list(pooling.matryoshka_dimensions)}: the model's "
+    dims = config.pooling.matryoshka_dimensions if config.pooling is not None else ()
+    if dims and max(dims) > config.hidden_size:
+        raise ConfigError(f"export.pooling.matryoshka_dimensions = {list(dims)}: the model's "
                           f"vectors have {config.hidden_size} dimensions; list none above it")
 
 

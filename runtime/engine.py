@@ -19,7 +19,7 @@ from .logits_processors import Penalties
 from .model_runner import GraphError, ModelRunner, RunStats, step_limits
 from .output_processor import CompletionOutput, OutputProcessor, RequestMetrics, RequestOutput
 from .pooling import Pooler
-from .pooling_params import PROMPT_ONLY, PoolingParams, check_task
+from .pooling_params import PROMPT_ONLY, PoolingParams, wrong_task
 from .progress import RequestProgress
 from .sampler import Sampler
 from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
@@ -173,7 +173,8 @@ class LLMEngine:
             raise TypeError("add_request takes token ids; turn text or chat messages into them with "
                             "engine.prompts.token_ids(prompt)")
         params = params or (PoolingParams() if self.pooler is not None else self.default_params)
-        check_task(params, self.pooler is not None, self.artifact)
+        if isinstance(params, PoolingParams) != (self.pooler is not None):
+            raise wrong_task(params, self.artifact)
         ids, limit = prompt_token_ids, self.max_model_len
         if not ids:
             raise RequestError("prompt", "is empty")
@@ -405,7 +406,8 @@ class LLM:
         """One output per prompt, in order; a prompt that cannot be served gets `error` set, the rest still run."""
         return self._run(prompts, sampling_params or self.engine.default_params, "generate", progress)
 
-    def embed(self, prompts: Prompt | Iterable[Prompt], pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+    def embed(self, prompts: Prompt | Iterable[Prompt],
+              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               progress: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order, its vector in `embedding` (an artifact exported with export.task embed,
         as vLLM's `LLM.embed`); a prompt that cannot be served gets `error` set, the rest still run."""

@@ -1,4 +1,5 @@
-"""Per-request embedding settings (vLLM's PoolingParams), validated where they enter, and which task takes which."""
+"""Per-request embedding settings (vLLM's PoolingParams), validated where they enter, and the refusal of a request
+of the other task."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +40,12 @@ class PoolingParams:
                                              "most that many")
 
 
-def check_task(params: SamplingParams | PoolingParams, embeds: bool, artifact: Path) -> None:
-    """SamplingParams on a generation artifact, PoolingParams on an embedding one (`embeds`); else a RequestError
-    naming the task and the fix."""
-    if isinstance(params, PoolingParams) and not embeds:
-        raise RequestError("task", f"{artifact} was exported for generation (export.task generate): it has no "
-                                   "pooling head to embed with; export the model with export.task: embed")
-    if isinstance(params, SamplingParams) and embeds:
-        raise RequestError("task", f"{artifact} was exported for embeddings (export.task embed): its graphs end in a "
-                                   "pooling head, not the LM head, so it generates nothing; embed with it "
-                                   "(/v1/embeddings, LLM.embed), or export the model with export.task: generate")
+def wrong_task(params: SamplingParams | PoolingParams, artifact: Path) -> RequestError:
+    """Why `params` cannot run on `artifact`, exported for the other task: PoolingParams need an embedding artifact
+    (export.task embed), SamplingParams a generation one."""
+    if isinstance(params, PoolingParams):
+        return RequestError("task", f"{artifact} was exported for generation (export.task generate): it has no "
+                                    "pooling head to embed with; export the model with export.task: embed")
+    return RequestError("task", f"{artifact} was exported for embeddings (export.task embed): its graphs end in a "
+                                "pooling head, not the LM head, so it generates nothing; embed with it "
+                                "(/v1/embeddings, LLM.embed), or export the model with export.task: generate")
