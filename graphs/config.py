@@ -24,7 +24,7 @@ class Pooling:
 
     type: PoolingType  # last: the last token's row (Qwen3-Embedding); mean: the mean of every token's row
     normalize: bool = True  # L2-normalised, as vLLM's embedding pooler does by default
-    # A request may ask for fewer `dimensions` (Matryoshka: the first d, normalised again), any from 1 to the hidden
+    # A request may ask for fewer `dimensions` (Matryoshka: the first d, then normalised), any from 1 to the hidden
     # size, or only `matryoshka_dimensions` when it lists some.
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()

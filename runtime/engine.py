@@ -391,11 +391,6 @@ class LLM:
         self.engine = LLMEngine(artifact, EngineConfig(**config))
 
     @property
-    @property
-    def task(self) -> str:
-        """`generate` or `embed`: what the artifact was exported for (Manifest.task)."""
-        return self.manifest.task
-
     def runtime_info(self) -> RuntimeInfo:
         """Which executor and kernels serve this model, at which precision."""
         return self.engine.runtime_info()
