@@ -410,9 +410,10 @@ class LLM:
 
     def _run(self, prompts: Prompt | Iterable[Prompt], params: Any, task: str, progress: bool) -> list[RequestOutput]:
         if self.engine.task != task:
-            raise ValueError(f"LLM.{task}: {self.engine.artifact} was exported with export.task "
-                             f"{self.engine.task}; use LLM.{self.engine.task}, or export the model with export.task: "
-                             f"{task}")
+            served = "LLM.embed, or /v1/embeddings of `pagedgraph serve`" if self.engine.task == "embed" else \
+                "LLM.generate, `pagedgraph generate`, or `pagedgraph serve`'s completions"
+            raise ValueError(f"LLM.{task}: {self.engine.artifact} was exported with export.task {self.engine.task}: "
+                             f"use {served}; or export the model with export.task: {task}")
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]

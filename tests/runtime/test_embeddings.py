@@ -21,6 +21,7 @@ import pytest
 from pagedgraph.artifact.settings import ConfigError
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import export
+from pagedgraph.cli import main
 from pagedgraph.inspect import describe, text
 from pagedgraph.runtime.engine import LLM, EngineConfig, LLMEngine, RequestOutput
 from pagedgraph.runtime.pooling_params import PoolingParams
@@ -208,7 +209,7 @@ def test_each_task_refuses_the_other(checkpoints: dict[str, Path], artifacts: di
     assert refused.value.field == "task"
     with pytest.raises(RequestError, match="max_model_len is 128, so prompts must be at most 128 tokens"):
         embedder.add_request(PROMPTS[-1] + [5])
-    with pytest.raises(ValueError, match="export.task embed; use LLM.embed"):
+    with pytest.raises(ValueError, match="export.task embed: use LLM.embed"):
         LLM(artifacts["qwen3", "last"], num_blocks=64).generate("hello")
     with pytest.raises(ValueError, match="speculative_config: .* exported for embeddings"):
         LLMEngine(artifacts["qwen3", "last"], EngineConfig(num_blocks=64, speculative_config={
@@ -220,6 +221,15 @@ def test_each_task_refuses_the_other(checkpoints: dict[str, Path], artifacts: di
     assert refused.value.field == "task"
     with pytest.raises(RequestError, match="so prompts must be at most 127 tokens"):
         generator.add_request(PROMPTS[-1])
+
+
+def test_the_cli_exports_an_embedding_model_and_generate_refuses_it(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli"
+    assert main(["export", "--model", str(checkpoints["llama"]), "--pooling", "mean", "--out", str(out)]) == 0
+    assert describe(out, verify=False)["pooling"]["type"] == "mean"
+    assert main(["generate", "--artifact", str(out), "--prompt", "hi"]) == 2
+    assert "was exported with export.task embed: use LLM.embed, or /v1/embeddings" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options, message", [
