@@ -6,6 +6,7 @@ description) are read from it by everything else: the runtime's EngineConfig, th
 """
 from __future__ import annotations
 
+import json
 import re
 import types
 import typing
@@ -152,8 +153,8 @@ def _meaning(model: type[BaseModel], name: str, info: FieldInfo) -> str:
 def settings_rows(model: type[BaseModel], prefix: str = "",
                   elsewhere: frozenset[str] = frozenset()) -> Iterator[tuple[str, str, str]]:
     """(dotted key, default as the docs show it, meaning) for every setting of `model`, sections flattened. An
-    optional section (null: off) gets a row of its own before its keys; the sections in `elsewhere` (listed by
-    another table) get that row only."""
+    optional section (null: off) gets a row of its own before its keys; the sections in `elsewhere` (dotted keys,
+    listed by another table) get that row only."""
     for name, info in model.model_fields.items():
         key, inner = f"{prefix}{name}", _section(info.annotation)
         optional = not info.is_required() and info.get_default() is None
@@ -162,8 +163,8 @@ def settings_rows(model: type[BaseModel], prefix: str = "",
             continue
         if optional:
             yield key, _shown(info), info.description or ""
-        if name not in elsewhere:
-            yield from settings_rows(inner, f"{key}.")
+        if key not in elsewhere:
+            yield from settings_rows(inner, f"{key}.", elsewhere)
 
 
 def settings_table(model: type[BaseModel], prefix: str = "", elsewhere: frozenset[str] = frozenset()) -> str:
@@ -171,3 +172,18 @@ def settings_table(model: type[BaseModel], prefix: str = "", elsewhere: frozense
     rows = [f"| `{key}` | {shown_default} | {meaning.replace('|', chr(92) + '|')} |"
             for key, shown_default, meaning in settings_rows(model, prefix, elsewhere)]
     return "| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+
+
+def json_lines(path: Path, error: type[ValueError] = ConfigError) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each non-blank line of a JSON Lines file as (`path:line`, its object); `error` names the line otherwise."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(item, dict):
+            raise error(f"{where}: each line must be a JSON object")
+        yield where, item

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from .artifact.settings import replace_block, settings_rows, settings_table
-from .exporter.config import ExportConfig
+from .exporter.config import ExportConfig, LadderPlanRecord
 from .runtime.deploy_config import Deployment, FleetSection
 from .runtime.spec.config import SpeculativeConfig
 
@@ -42,7 +42,8 @@ class SettingsTable:
 TABLES = (
     SettingsTable("deployment", "docs/server.md", Deployment, elsewhere=frozenset({"fleet", "speculative_config"})),
     SettingsTable("fleet", "docs/scale-out.md", FleetSection, "fleet."),
-    SettingsTable("export", "docs/usage.md", ExportConfig),
+    SettingsTable("export", "docs/usage.md", ExportConfig, elsewhere=frozenset({"export.buckets.plan"})),
+    SettingsTable("plan", "docs/usage.md", LadderPlanRecord, "export.buckets.plan."),
     SettingsTable("speculative", "docs/usage.md", SpeculativeConfig, "speculative_config."),
 )
 

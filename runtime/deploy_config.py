@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, fields
 from functools import reduce
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence as Seq
+from typing import Any, Iterable, Literal, Mapping, Sequence as Seq
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -147,6 +147,11 @@ class ServerSection(Settings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish (new "
                                                            "ones get 503), then the rest end with 503")
     log_prompts: bool = Field(False, description="log prompt text with each request (off: counts only)")
+    request_log: str | None = Field(
+        None, description='a file (relative to the YAML) that gets one JSON line per finished completion, '
+                          '`{"prompt_tokens": N, "completion_tokens": M}` and nothing else: the trace `pagedgraph plan '
+                          '--trace` fits the bucket ladders to ([usage.md](usage.md#ladders-fitted-to-traffic-'
+                          'pagedgraph-plan))')
 
 
 class ExecutorSection(Settings):
@@ -294,6 +299,9 @@ def load_deployment(path: str | Path, overrides: dict[str, Any] | None = None) -
     paths = {key: str((base / Path(value).expanduser()).resolve()) for key, value in
              (("artifact", model.artifact), ("export_config", model.export_config)) if value is not None}
     update: dict[str, Any] = {"model": model.model_copy(update=paths)}
+    server = deployment.server
+    if server.request_log is not None:
+        update["server"] = server.model_copy(update={"request_log": str((base / server.request_log).resolve())})
     spec = deployment.speculative_config
     if spec is not None and spec.model is not None:  # the draft's artifact, relative to the file too
         update["speculative_config"] = spec.model_copy(update={"model": str((base / spec.model).resolve())})
@@ -305,6 +313,14 @@ def _exported(manifest: Manifest) -> dict[str, list[int]]:
     prefill, decode = manifest.families[PREFILL].gears, manifest.families[DECODE].gears
     return {"decode_batch": sorted({g.seqs for g in decode}), "prefill_tokens": sorted({g.tokens for g in prefill}),
             "context_blocks": sorted({g.blocks for g in prefill + decode})}
+
+
+def served_gears(manifest: Manifest, decode_batch: Iterable[int], prefill_tokens: Iterable[int],
+                 context_blocks: Iterable[int]) -> dict[str, list[Gear]]:
+    """The artifact's gears on these rungs (each a subset of its ladders): what a deployment's buckets serve."""
+    decode, prefill, blocks = set(decode_batch), set(prefill_tokens), set(context_blocks)
+    return {PREFILL: [g for g in manifest.families[PREFILL].gears if g.tokens in prefill and g.blocks in blocks],
+            DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in decode and g.blocks in blocks]}
 
 
 def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> EngineConfig:
@@ -339,12 +355,7 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                         f"in export.kv_cache_dtypes")
     if problems:
         raise ConfigError(f"invalid deployment in {source}:\n  " + "\n  ".join(problems))
-    blocks = chosen["context_blocks"]
-    gears: dict[str, list[Gear]] = {
-        PREFILL: [g for g in manifest.families[PREFILL].gears
-                  if g.tokens in chosen["prefill_tokens"] and g.blocks in blocks],
-        DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in chosen["decode_batch"] and g.blocks in blocks],
-    }
+    gears = served_gears(manifest, chosen["decode_batch"], chosen["prefill_tokens"], chosen["context_blocks"])
     settings = {f.name: reduce(getattr, f.metadata["key"].split("."), deployment) for f in fields(EngineConfig)
                 if "key" in f.metadata}
     return EngineConfig(**{**settings, "max_model_len": max_model_len, "gears": gears})

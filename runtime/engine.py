@@ -100,10 +100,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.artifact)
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
-        self.max_num_seqs, self.max_num_batched_tokens = step_limits(self.manifest, config.max_num_seqs,
-                                                                     config.max_num_batched_tokens)
-        # The most logits rows one step returns: the widest prefill gear's B (prompt logprobs need a row per token).
-        self.max_logits_rows = max(g.seqs for g in self.manifest.families[PREFILL].gears)
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_logits_rows = step_limits(
+            self.manifest, config.max_num_seqs, config.max_num_batched_tokens)
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"enable_chunked_prefill = false needs max_num_batched_tokens >= max_model_len, but "
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "

@@ -38,6 +38,7 @@ from ..engine import RequestOutput
 from ..constraints import ConstraintError
 from ..pooling_params import PoolingParams
 from ..sampling_params import RequestError, SamplingParams
+from ..traffic import RequestLog, TraceRequest
 from . import metrics
 from .engine_loop import EngineLoop, PromptRefused, RequestHandle, merged
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -160,7 +161,10 @@ class Frontend:
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
         self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
-        self.metrics = metrics.Metrics(self.model, self.max_model_len)
+        plan = engine.manifest.ladder_plan
+        self.metrics = metrics.Metrics(self.model, self.max_model_len,
+                                       plan["expected_padding_waste"] if plan else None)
+        self.request_log = RequestLog(self.limits.request_log) if self.limits.request_log else None
         self.runtime = self.loop.engine.runtime_info().to_dict()
         self.task = self.runtime["task"]  # generate or embed: which endpoints answer (`check_task`)
         self.pooling, self.hidden_size = engine.model.pooling, engine.model.hidden_size
@@ -168,6 +172,8 @@ class Frontend:
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=True)
+        if self.request_log is not None:
+            self.request_log.close()
 
     # -- admission: PromptEncoder (runtime/tokenizer.py) -> server limits -> EngineLoop.submit -> add_request --
     @staticmethod
@@ -294,6 +300,13 @@ class Frontend:
         self.counters.finished[out.finish_reason or "error"] += 1
         self.counters.cached_tokens += out.num_cached_tokens
         self.metrics.observe(out)
+        if self.request_log is not None:
+            try:
+                for completion in out.outputs:
+                    if completion.token_ids:
+                        self.request_log.write(TraceRequest(len(out.prompt_token_ids), len(completion.token_ids)))
+            except OSError:  # a full disk loses log lines, never answers
+                log.exception("server.request_log %s: write failed", self.request_log.path)
 
     # -- answering ----------------------------------------------------------------------------
     def _timeout(self) -> APIError:

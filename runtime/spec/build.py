@@ -78,7 +78,7 @@ def _draft(spec: SpeculativeConfig, config: Any, target: Target) -> Proposer:
     if shared:
         pools, kv = target.runner.pools, target.kv
     else:
-        max_num_seqs, _ = step_limits(manifest, config.max_num_seqs, config.max_num_batched_tokens)
+        max_num_seqs, _, _ = step_limits(manifest, config.max_num_seqs, config.max_num_batched_tokens)
         pools = KVPools.sized(artifact, manifest, manifest.kv_cache_dtype("auto"), target.max_model_len, max_num_seqs,
                               config.num_blocks, config.kv_cache_bytes)
         kv = KVCacheManager.for_pools(pools, config.enable_prefix_caching, config.prefix_cache_salt)

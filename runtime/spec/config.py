@@ -21,9 +21,16 @@ class SpeculativeConfig(Settings):
                                                           "shows it)")
     prompt_lookup_min: int | None = Field(None, ge=1, json_schema_extra=shown("5 (vLLM's)"),
                                           description="`ngram`: the shortest suffix that may match; one of the two "
-                                                      "given sets both")
-    prompt_lookup_max: int | None = Field(None, ge=1, json_schema_extra=shown("5 (vLLM's)"),
-                                          description="`ngram`: the longest suffix, tried first")
+                                                      "given sets both. `prompt_lookup_min: 1` lets the drafts' "
+                                                      "record (below) decide whether single tokens are worth "
+                                                      "drafting from")
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, json_schema_extra=shown("5 (vLLM's)"),
+        description="`ngram`: the longest suffix, tried first. The match goes on growing past it (up to 64 tokens) "
+                    "while it still matches, to pick the right one of several earlier occurrences; and each draft's "
+                    "length follows how many tokens the sequence's earlier drafts from matches of that length kept "
+                    "(a 1-token match is a guess, a 20-token one a copy in progress): as many as pay for their "
+                    "verification rows, none when a plain decode does better (`runtime/spec/ngram.py`)")
     model: str | None = Field(None, description="`draft_model`: the draft's artifact directory, e.g. the w4a16 export "
                                                 "drafting for the fp32 one (below: which drafts run on the target's "
                                                 "KV pools)")
