@@ -187,9 +187,10 @@ class ExportOptions(Settings):
         """An embedding export decodes nothing: no naive (generation) baseline, no speculative gears; pooling keys
         only with task embed."""
         if self.task == "generate":
-            if self.pooling.model_fields_set:
-                raise ValueError(f"export.pooling sets {sorted(self.pooling.model_fields_set)}, but export.task is "
-                                 "generate (the LM head); set export.task: embed, or remove export.pooling")
+            chosen = sorted(name for name, value in self.pooling if value is not None)  # a manifest lists every key, null where unset
+            if chosen:
+                raise ValueError(f"export.pooling sets {chosen}, but export.task is generate (the LM head); set "
+                                 "export.task: embed, or remove export.pooling")
             return self
         if self.baseline:
             raise ValueError(f"export.baseline = {self.baseline!r} is the generation baseline of `pagedgraph bench`; "

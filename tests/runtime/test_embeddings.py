@@ -243,6 +243,13 @@ def test_the_export_schema_refuses_what_an_embedding_export_cannot_be(options: d
         ExportConfig.model_validate({"export": options})
 
 
+def test_a_generate_exports_recorded_config_reads_back() -> None:
+    """A manifest's export_config lists every key, `export.pooling`'s null for a generate export: it validates again
+    (as `pagedgraph plan --config` reads it)."""
+    recorded = ExportConfig.model_validate({}).model_dump(mode="json")
+    assert ExportConfig.model_validate(recorded).export.task == "generate"
+
+
 def test_matryoshka_dimensions_past_the_hidden_size_are_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="the model's vectors have 64 dimensions"):
         _export(checkpoints["llama"], tmp_path / "wide", task="embed", pooling={"matryoshka_dimensions": [32, 128]})
