@@ -176,10 +176,10 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name
     if args.model is not None:
         artifact, model_name = _cached_export(args.model, log, _task_overrides(args))
+        name = name or model_name
     elif args.task or args.pooling:
         raise ConfigError("--task and --pooling choose how `serve --model` exports a checkpoint; an artifact serves "
                           "the task it was exported for (`pagedgraph inspect` shows it)")
-        name = name or model_name
     overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
                  "kv_cache.num_blocks": args.num_blocks, "kv_cache.kv_cache_bytes": args.kv_cache_bytes,
                  "scheduler.max_model_len": args.max_model_len, "server.api_key": args.api_key,
