@@ -70,6 +70,11 @@ class Manifest:
     ranks: tuple[RankLayout, ...] = ()
 
     @property
+    def task(self) -> str:
+        """`embed` where the graphs end in a pooling head (ModelConfig.pooling: /v1/embeddings), else `generate`."""
+        return "generate" if self.model.pooling is None else "embed"
+
+    @property
     def served_kv_cache_dtypes(self) -> tuple[str, ...]:
         return self.kv_cache_dtypes or (self.dtype,)
 

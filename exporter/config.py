@@ -109,7 +109,35 @@ class BucketLadders(Settings):
         return self
 
 
+class PoolingOptions(Settings):
+    """`export.task: embed`: the pooling head the graphs end in, as vLLM's pooler config sets it."""
+
+    type: Literal["last", "mean"] | None = Field(
+        None, description="which rows of the final norm's output make a text's vector: `last` (the last token's, as "
+                          "Qwen3-Embedding and vLLM's default for decoders) or `mean` (the mean of every token's; the "
+                          "prefix cache is not read for them); also `export --pooling`",
+        json_schema_extra=shown("the checkpoint's sentence-transformers pooling (`modules.json`, "
+                                "`1_Pooling/config.json`), else `last`"))
+    normalize: bool | None = Field(
+        None, description="L2-normalise the vectors (vLLM's default)",
+        json_schema_extra=shown("true; with `type` left out, whether the checkpoint's sentence-transformers modules "
+                                "end in `Normalize`"))
+    matryoshka: bool | None = Field(
+        None, description="requests may ask for fewer `dimensions` (Matryoshka: the first d, then normalised); "
+                          "false answers such a request 400",
+        json_schema_extra=shown("config.json's `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them"))
+    matryoshka_dimensions: list[int] | None = Field(
+        None, description="the `dimensions` a request may ask for (sets `matryoshka`)",
+        json_schema_extra=shown("config.json's `matryoshka_dimensions`, else any from 1 to the hidden size"))
+
+
 class ExportOptions(Settings):
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="`generate`: graphs ending in the LM head (logits: `/v1/completions`, "
+                                "`/v1/chat/completions`); `embed`: graphs ending in a pooling head "
+                                "(`export.pooling`) for `/v1/embeddings`, as vLLM's `--task embed` (the checkpoint's "
+                                "LM head is not read); also `export --task`")
+    pooling: PoolingOptions = PoolingOptions()
     formats: list[Literal["onnx", "mindir"]] = Field(
         ["onnx"], min_length=1, description="graph formats to write: `onnx` (ONNX Runtime, ATC) and/or `mindir` "
                                             "(MindSpore, docs/mindspore.md); with `mindir` and no `export.buckets`, "
@@ -153,6 +181,28 @@ class ExportOptions(Settings):
         1, ge=1, description="ranks the model is split over (vLLM's --tensor-parallel-size): one graph set per rank, "
                              "column-parallel QKV and gate/up, row-parallel o_proj and down with an AllReduce after "
                              "each; must divide the heads, KV heads and intermediate size (docs/scale-out.md)")
+
+    @model_validator(mode="after")
+    def _pooling_for_embed(self) -> "ExportOptions":
+        """An embedding export decodes nothing: no naive (generation) baseline, no speculative gears; pooling keys
+        only with task embed."""
+        if self.task == "generate":
+            chosen = sorted(name for name, value in self.pooling if value is not None)  # a manifest lists every key, null where unset
+            if chosen:
+                raise ValueError(f"export.pooling sets {chosen}, but export.task is generate (the LM head); set "
+                                 "export.task: embed, or remove export.pooling")
+            return self
+        if self.baseline:
+            raise ValueError(f"export.baseline = {self.baseline!r} is the generation baseline of `pagedgraph bench`; "
+                             "an embedding export (export.task embed) has none: remove export.baseline")
+        if self.buckets.verify_tokens:
+            raise ValueError(f"export.buckets.verify_tokens = {self.buckets.verify_tokens}: an embedding export "
+                             "(export.task embed) generates no tokens to verify; remove verify_tokens")
+        dims = self.pooling.matryoshka_dimensions
+        if dims is not None and (not dims or min(dims) < 1 or self.pooling.matryoshka is False):
+            raise ValueError(f"export.pooling.matryoshka_dimensions = {dims}: list the positive dimensions a request "
+                             "may ask for (with matryoshka true or left out)")
+        return self
 
     @model_validator(mode="after")
     def _baseline_needs_onnx(self) -> "ExportOptions":

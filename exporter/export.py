@@ -26,7 +26,7 @@ from ..artifact.mindir import INDEX as MINDIR_INDEX
 from ..artifact.mindir import WEIGHTS as MINDIR_WEIGHTS
 from ..cpu_kernels.int8_gemm import SHIFTED_FILE, forget_shifted
 from .buckets import plan_gears
-from .checkpoint import read_checkpoint
+from .checkpoint import read_checkpoint, source_path
 from .checkpoint.base import Checkpoint
 from .config import (MINDIR_CONTEXT_STEPS, MINDIR_DECODE_BATCHES, MINDIR_PREFILL_TOKENS,
                              ExportConfig, ExportOptions)
@@ -36,6 +36,7 @@ from .onnx.graph_builder import OnnxBuilder
 from .onnx.slices import Slice, artifact_slices, carry, checkpoint_slices, graph_sources, layer_groups, slice_feed, \
     slice_weights
 from .onnx.weights_file import StreamedWeights, WeightsFile
+from .pooling import check_pooling, pooling_head
 from .progress import stage_bar
 from .quantize import quantize_weights
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
@@ -102,7 +103,9 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     check_out_dir(out_dir, config.model.source, force)
     started = time.perf_counter()
     print(f"reading checkpoint {config.model.source} ...", file=log)
-    raw = read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf")
+    pooling = pooling_head(source_path(config.model.source), config.export.pooling) \
+        if config.export.task == "embed" else None
+    raw = read_checkpoint(config.model.source, keep_blocks=config.model.quantization == "gguf", pooling=pooling)
     own = config.for_checkpoint(raw.quantization)
     if own is not config:
         print(f"model.quantization: {raw.quantization} (the checkpoint's own blocks, read as they are)", file=log)
@@ -110,6 +113,7 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     recorded = RecordedForms(_quantized(raw, config, log).tensors)
     checkpoint = dataclasses.replace(raw, tensors=recorded)  # generation defaults and the rest kept
     model = checkpoint.config
+    check_pooling(model)
     config = _implied_defaults(config, model, log)
     options = config.export
     check_size(model, options.tensor_parallel_size)
@@ -121,7 +125,8 @@ def export(config: ExportConfig, out_dir: str | Path, log: TextIO | None = None,
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; an artifact is meant to be shared
     try:
         print(f"lowering {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
-              f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}", file=log)
+              f"{model.num_heads}/{model.num_kv_heads} heads, vocab {model.vocab_size}; task {head_summary(model)}",
+              file=log)
         written = None
         ranks = shards(model, options.tensor_parallel_size) if options.tensor_parallel_size > 1 else ()
         if "onnx" in options.formats:
@@ -531,13 +536,14 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
         pool = np.zeros(((max_blocks + 1) * manifest.block_size, model.kv_size), fmt.numpy_dtype)
         carried: dict[tuple[str, Gear], dict[str, np.ndarray]] = {check: {} for check in checks}
         seconds = dict.fromkeys(checks, 0.0)
-        logits = {check: np.zeros((check[1].seqs, model.vocab_size), np.float32) for check in checks}
+        output, width = c.head_output(model)
+        logits = {check: np.zeros((check[1].seqs, width), np.float32) for check in checks}
         for index, part in enumerate(slices):
             session = part.session()
             for family, gear in checks:
                 if gear != smallest[family] and 0 < index < len(groups) - 1:
                     continue
-                run = _verify_binding(session, part, model, gear, pool, fmt, carried[family, gear],
+                run = _verify_binding(session, part, model, gear, pool, fmt, carried[family, gear], output,
                                       logits[family, gear])
                 start = clock()
                 session.run_with_iobinding(run.binding)
@@ -548,7 +554,7 @@ def _verify_gears(artifact: Path, manifest: Manifest, written: OnnxWeights, kv_s
         for family, gear in checks:
             reports.append(GearReport(family, gear, seconds[family, gear]))
             if not np.isfinite(logits[family, gear][0]).all():
-                raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad logits")
+                raise RuntimeError(f"{family} gear {gear} ({dtype} KV cache) produced bad {output}")
             print(f"[verify {len(reports)}/{total}] {family} T={gear.tokens} B={gear.seqs} M={gear.blocks} "
                   f"{dtype} KV ok ({reports[-1].seconds * 1e3:.0f} ms)", file=log)
     bar.close()
@@ -562,7 +568,7 @@ class _VerifyRun:
 
 
 def _verify_binding(session: Any, part: Slice, model: ModelConfig, gear: Gear, pool: np.ndarray, fmt: CacheFormat,
-                    carried: dict[str, np.ndarray], logits: np.ndarray) -> _VerifyRun:
+                    carried: dict[str, np.ndarray], output: str, logits: np.ndarray) -> _VerifyRun:
     """One slice's run of `gear`: one real query token, the rest padding; every pool the same zero buffer (written
     only in the null block), bound as input and output."""
     import onnxruntime as ort
@@ -582,7 +588,7 @@ def _verify_binding(session: Any, part: Slice, model: ModelConfig, gear: Gear, p
     for name, array in zip(part.carried, handed_on):
         binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
     if not handed_on:
-        binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        binding.bind_ortvalue_output(output, ort.OrtValue.ortvalue_from_numpy(logits))
     return _VerifyRun(binding, handed_on)
 
 
@@ -619,6 +625,17 @@ def _summary(out: Path, manifest: Manifest, reports: list[GearReport], seconds: 
     if have is not None and weights > have:
         print(f"note: serving this artifact holds its {weights / 2**30:.1f} GiB of weights in memory (plus the KV "
               f"pool), and this machine has {have / 2**30:.1f} GiB available: it will not run here", file=log)
+
+
+def head_summary(model: ModelConfig) -> str:
+    """The task and what the graphs end in, in words: the LM head, or an embedding model's pooling head."""
+    pooling = model.pooling
+    if pooling is None:
+        return "generate (the LM head: logits)"
+    dims = "not Matryoshka: no `dimensions`" if not pooling.matryoshka else \
+        f"`dimensions` {', '.join(map(str, pooling.matryoshka_dimensions)) or 'up to the hidden size'}"
+    return (f"embed ({pooling.type} pooling, {'L2-normalised' if pooling.normalize else 'not normalised'}; "
+            f"{dims})")
 
 
 def family_summary(family: str, gears: Iterable[Gear]) -> str:

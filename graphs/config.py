@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+PoolingType = Literal["last", "mean"]
+POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -12,6 +15,23 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """An embedding model's head (export.task: embed), in place of the LM head: which rows of the final norm's
+    output make a sequence's vector (graphs/decoder.py), and what the runtime does with it (runtime/pooling.py)."""
+
+    type: PoolingType  # last: the last token's row (Qwen3-Embedding); mean: the mean of every token's row
+    normalize: bool = True  # L2-normalised, as vLLM's embedding pooler does by default
+    # A request may ask for fewer `dimensions` (Matryoshka: the first d, then normalised), any from 1 to the hidden
+    # size, or only `matryoshka_dimensions` when it lists some.
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.type not in POOLING_TYPES:
+            raise ValueError(f"pooling type {self.type!r}: choose one of {', '.join(POOLING_TYPES)}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pooling: Pooling | None = None  # an embedding model's head; None: the LM head (logits)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,4 +76,8 @@ class ModelConfig:
         if data.get("rope_scaling"):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        if data.get("pooling"):
+            pooling = data["pooling"]
+            data["pooling"] = Pooling(**{**pooling,
+                                         "matryoshka_dimensions": tuple(pooling.get("matryoshka_dimensions", ()))})
         return cls(**data)

@@ -10,6 +10,8 @@ from typing import Iterable
 
 import numpy as np
 
+from .config import ModelConfig
+
 INPUT_IDS = "input_ids"
 POSITIONS = "positions"
 SLOT_MAPPING = "slot_mapping"
@@ -18,6 +20,10 @@ CONTEXT_LENS = "context_lens"
 CU_SEQLENS_Q = "cu_seqlens_q"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
+# An embedding graph's output in place of the logits (ModelConfig.pooling), float32 [B, hidden]: each sequence's
+# final-norm row at logits_indices (last pooling), or the sum of its rows fed this step (mean pooling).
+POOLED = "pooled"
+HEAD_OUTPUTS = (LOGITS, POOLED)
 # A slice of the model (graphs/decoder.py's `layers`; export-time calibration and checks only, never served): the
 # residual stream and its normed copy (the next layer's input norm applied), float32 [T, hidden], in and out.
 SLICE_INPUTS = ("hidden_in", "normed_in")
@@ -26,6 +32,11 @@ SLICE_OUTPUTS = ("hidden_out", "normed_out")
 NULL_BLOCK = 0
 PREFILL = "prefill"
 DECODE = "decode"
+
+
+def head_output(config: ModelConfig) -> tuple[str, int]:
+    """The graph's one output besides the pools, and its width: logits over the vocabulary, or pooled hidden states."""
+    return (POOLED, config.hidden_size) if config.pooling is not None else (LOGITS, config.vocab_size)
 
 
 def k_cache_name(layer: int) -> str:

@@ -34,15 +34,23 @@ DOWN = Role(Kind.LINEAR, Split.CHANNEL_COLUMNS)
 
 
 def model_weights(config: ModelConfig, layer: Callable[[ModelConfig, int], list[GraphWeight]]) -> list[GraphWeight]:
-    """The embedding, final norm, rope tables and LM head (absent when tied) under HF's names, then each layer's
-    weights as `layer(config, i)` declares them."""
+    """The embedding, final norm, rope tables and LM head (absent when tied, and from an embedding model, whose
+    pooling head has no weights) under HF's names, then each layer's weights as `layer(config, i)` declares them."""
     vocab = (config.vocab_size, config.hidden_size)
     ends = [GraphWeight("embed", Role(Kind.EMBEDDING), (Source("model.embed_tokens.weight", vocab),)),
             norm("final_norm", "model.norm.weight", config.hidden_size),
             *(GraphWeight(name, Role(Kind.TABLE)) for name in ROPE_TABLES)]
-    if not config.tie_word_embeddings:
+    if head_weight(config) == "lm_head":
         ends.append(GraphWeight("lm_head", Role(Kind.LM_HEAD), (Source("lm_head.weight", vocab),)))
     return ends + [w for i in range(config.num_layers) for w in layer(config, i)]
+
+
+def head_weight(config: ModelConfig) -> str | None:
+    """The graph weight the head reads after the final norm: the LM head (the embedding when tied), or none (a
+    pooling head)."""
+    if config.pooling is not None:
+        return None
+    return "embed" if config.tie_word_embeddings else "lm_head"
 
 
 def norm(name: str, source: str, width: int) -> GraphWeight:
@@ -111,15 +119,17 @@ class Decoder:
         feed-forward. The cache dtype picks the variants of ReshapeAndCache and PagedAttention; an int8 cache reads
         each layer's calibrated parameters as weights (graphs/kv_cache.py names them).
 
+        An embedding model (`config.pooling`) ends in its pooling head instead of the LM head (`pooled_rows`).
+
         `layers` (default: all, in order) makes a slice of the model, as export-time calibration and checks run a
         large model a few layers at a time: a slice that starts past layer 0 reads the residual stream and its
-        normed copy (contract.SLICE_INPUTS) instead of embedding tokens, and one without the LM head (`head`; only
+        normed copy (contract.SLICE_INPUTS) instead of embedding tokens, and one without the head (`head`; only
         the last layer may precede it) writes them out (contract.SLICE_OUTPUTS) instead of logits; no layers at all
-        is the LM head alone, reading the final norm's output. Chained, slices compute what the whole graph does.
+        is the head alone, reading the final norm's output. Chained, slices compute what the whole graph does.
         """
         order = list(range(config.num_layers)) if options.layers is None else list(options.layers)
         if options.head and order and order[-1] + 1 != config.num_layers:
-            raise ValueError(f"layers {order}: the LM head follows the last layer ({config.num_layers - 1}) only")
+            raise ValueError(f"layers {order}: the head follows the last layer ({config.num_layers - 1}) only")
         if not order:
             x = b.input(c.SLICE_INPUTS[1])
         else:
@@ -128,8 +138,12 @@ class Decoder:
                 for name, value in zip(c.SLICE_OUTPUTS, (hidden, x)):
                     b.output(name, value)
                 return
+        lm_head = head_weight(config)
+        if lm_head is None:
+            b.output(c.POOLED, pooled_rows(b, config, x))
+            return
         last = b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))  # norm rows, then gather: one op fewer than reverse
-        b.output(c.LOGITS, options.forms.linear(b, last, "embed" if config.tie_word_embeddings else "lm_head"))
+        b.output(c.LOGITS, options.forms.linear(b, last, lm_head))
 
     def _layers(self, b: OpBuilder[T], config: ModelConfig, options: GraphOptions, order: list[int]) -> tuple[T, T]:
         """Layers `order` (from the embedding when they start at 0): the normed residual stream and the stream."""
@@ -180,6 +194,17 @@ class Decoder:
                       *(params[f] for f in DEQUANT_INPUTS if quantized), head_num=config.num_heads,
                       kv_head_num=config.num_kv_heads, head_dim=config.head_dim, qk_scale=config.head_dim ** -0.5,
                       block_size=options.block_size)
+
+
+def pooled_rows(b: OpBuilder[T], config: ModelConfig, x: T) -> T:
+    """The pooling head over the final norm's rows `x`: per sequence, the row of its last token fed this step (last
+    pooling: the step that ends its prompt gives its vector), or the sum of its rows fed this step (mean pooling:
+    the runtime adds a chunked prompt's sums and divides, runtime/pooling.py). Normalising is the runtime's too, on
+    the finished vector."""
+    assert config.pooling is not None
+    if config.pooling.type == "mean":
+        return b.emit(ops.SEGMENT_SUM, x, b.input(c.CU_SEQLENS_Q))
+    return b.emit(ops.GATHER, x, b.input(c.LOGITS_INDICES))
 
 
 class _StepInputs(Generic[T]):

@@ -1,6 +1,7 @@
 """pagedgraph: export LLaMA-family checkpoints to bucketed static graphs and serve them with a paged runtime.
 
-The public Python API is `from pagedgraph import LLM, SamplingParams`. It is imported on first use, so
+The public Python API is `from pagedgraph import LLM, SamplingParams` (`PoolingParams` for an embedding artifact's
+`LLM.embed`). It is imported on first use, so
 `import pagedgraph` (the console script, `--version`) stays light and nothing here imports in a circle.
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ if (_CHECKOUT / "setup.cfg").is_file() and not (Path(__file__).parent / "runtime
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "pagedgraph.runtime.engine", "LLMEngine": "pagedgraph.runtime.engine", "RequestOutput": "pagedgraph.runtime.engine",
-         "SamplingParams": "pagedgraph.runtime.sampling_params"}
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "__version__"]
+_LAZY = {"LLM": "pagedgraph.runtime.engine", "LLMEngine": "pagedgraph.runtime.engine",
+         "RequestOutput": "pagedgraph.runtime.engine", "SamplingParams": "pagedgraph.runtime.sampling_params",
+         "PoolingParams": "pagedgraph.runtime.pooling_params"}
+__all__ = ["LLM", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

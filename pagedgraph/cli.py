@@ -50,11 +50,18 @@ def _export(args: argparse.Namespace) -> int:
     config = _export_config(args.config, {"model.source": args.model, "export.formats": formats,
                                           "export.target": args.target, "export.baseline": args.baseline,
                                           "model.dtype": args.dtype, "model.quantization": args.quantization,
-                                          "export.tensor_parallel_size": args.tensor_parallel_size})
+                                          "export.tensor_parallel_size": args.tensor_parallel_size,
+                                          **_task_overrides(args)})
     if args.trace is not None:
         config = _planned(config, args)
     export(config, args.out, force=args.force, verbose=args.verbose, calibration_text=shipped_text("calibration"))
     return 0
+
+
+def _task_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """--task and --pooling as export YAML overrides (--pooling implies --task embed)."""
+    task = args.task or ("embed" if args.pooling else None)
+    return {"export.task": task, "export.pooling.type": args.pooling}
 
 
 def _planned(config: Any, args: argparse.Namespace) -> Any:
@@ -168,8 +175,11 @@ def _serve(args: argparse.Namespace) -> int:
     artifact = str(Path(args.artifact).resolve()) if args.artifact else None
     name = args.served_model_name
     if args.model is not None:
-        artifact, model_name = _cached_export(args.model, log)
+        artifact, model_name = _cached_export(args.model, log, _task_overrides(args))
         name = name or model_name
+    elif args.task or args.pooling:
+        raise ConfigError("--task and --pooling choose how `serve --model` exports a checkpoint; an artifact serves "
+                          "the task it was exported for (`pagedgraph inspect` shows it)")
     overrides = {"model.artifact": artifact, "model.name": name, "server.host": args.host, "server.port": args.port,
                  "kv_cache.num_blocks": args.num_blocks, "kv_cache.kv_cache_bytes": args.kv_cache_bytes,
                  "scheduler.max_model_len": args.max_model_len, "server.api_key": args.api_key,
@@ -205,10 +215,11 @@ def _cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedgraph" / "artifacts")
 
 
-def _cached_export(model: str, log: Any) -> tuple[str, str]:
-    """`serve --model`: the artifact of `model` with the default export options, exported into the cache on first
-    use. The cache key covers the checkpoint (path, file sizes and times), the options and pagedgraph's version,
-    so a changed checkpoint or a new pagedgraph exports afresh. Returns the artifact and the model's name."""
+def _cached_export(model: str, log: Any, overrides: dict[str, Any]) -> tuple[str, str]:
+    """`serve --model`: the artifact of `model` with the default export options (and `overrides`: --task), exported
+    into the cache on first use. The cache key covers the checkpoint (path, file sizes and times), the options and
+    pagedgraph's version, so a changed checkpoint or a new pagedgraph exports afresh. Returns the artifact and the
+    model's name."""
     from .exporter.checkpoint import DEFAULT_SOURCE
     from .exporter.export import export
     from .artifact.manifest import MANIFEST
@@ -222,7 +233,7 @@ def _cached_export(model: str, log: Any) -> tuple[str, str]:
     if not source.exists():
         raise ConfigError(f"--model {model} does not exist; pass a Hugging Face checkpoint directory or a .gguf file")
     files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
-    config = _export_config(None, {"model.source": str(source)})
+    config = _export_config(None, {"model.source": str(source), **overrides})
     key = hashlib.sha256(json.dumps({
         "source": str(source), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
         "export": config.model_dump(mode="json"), "pagedgraph": __version__}).encode()).hexdigest()[:16]
@@ -359,6 +370,16 @@ def _speculative_flag(parser: argparse.ArgumentParser, what: str) -> None:
                              '\'{"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT_ARTIFACT"}\'')
 
 
+def _task_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--task", choices=choices(ExportConfig, "export.task"),
+                        help=f"{what} for this task (export.task): generate (the LM head) or embed (a pooling head, "
+                             f"/v1/embeddings, as vLLM's --task embed) {_exported('export.task')}")
+    parser.add_argument("--pooling", choices=choices(ExportConfig, "export.pooling.type"),
+                        help=f"{what} an embedding model with this pooling (export.pooling.type; implies --task "
+                             "embed): last (the last token, as Qwen3-Embedding) or mean (default: the checkpoint's "
+                             "sentence-transformers pooling, else last)")
+
+
 def _pool_flags(parser: argparse.ArgumentParser, override: str) -> None:
     """The KV pool's size and max_model_len, for generate and (as overrides of the deployment YAML) serve."""
     default = ("every sequence at max_model_len, capped to half the memory left free after the weights; a pool "
@@ -456,6 +477,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, dest="tensor_parallel_size",
                    help="override export.tensor_parallel_size: one graph set per rank, the model split over them "
                         f"{_exported('export.tensor_parallel_size')}")
+    _task_flags(p, "export")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.add_argument("--trace", help="fit export.buckets to this traffic first, as `pagedgraph plan` does (default: "
                                    "the YAML's ladders)")
@@ -530,6 +552,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="override fleet.data_parallel_size: this many replicas, each pinned to its own cores, behind "
                         "vllm-router on --port (needs pagedgraph[fleet]; see docs/scale-out.md) (default: "
                         f"{_deployed('fleet.data_parallel_size')})")
+    _task_flags(p, "with --model: export")
     p.add_argument("--router-policy", dest="router_policy", choices=choices(Deployment, "fleet.router.policy"),
                    help="override fleet.router.policy, how the router picks a replica (default: "
                         f"{_deployed('fleet.router.policy')})")

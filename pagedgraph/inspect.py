@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .exporter.export import family_summary
+from .exporter.export import family_summary, head_summary
 from .artifact.manifest import MANIFEST, Manifest, file_sha256
 from .graphs.contract import DECODE, PREFILL
 
@@ -41,6 +41,9 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
                   "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
                   "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
                   "source": manifest.export_config.get("model", {}).get("source")},
+        "task": manifest.task,
+        "pooling": None if model.pooling is None else asdict(model.pooling),
+        "head": head_summary(model),
         "dtype": manifest.dtype,
         "block_size": manifest.block_size,
         "max_model_len": manifest.max_model_len,
@@ -67,6 +70,7 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
              f"model         {m['architecture']}: {m['layers']} layers, hidden {m['hidden_size']}, "
              f"{m['heads']}/{m['kv_heads']} heads of {m['head_dim']}, vocab {m['vocab_size']}"
              f"{', tied embeddings' if m['tie_word_embeddings'] else ''}; from {m['source']}",
+             f"task          {record['head']}",
              f"dtype         {record['dtype']}, block_size {record['block_size']}, "
              f"max_model_len {record['max_model_len']}"]
     tp = record.get("tensor_parallel", {"size": 1, "ranks": []})
@@ -84,10 +88,11 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
         if plan else "none: hand-picked ladders (`pagedgraph plan --trace` fits them to traffic)"))
     spec = record["speculation"]
     small = ", ".join(f"T={t}" for t in spec["verify_tokens"]) or "none (export.buckets.verify_tokens)"
-    lines.append(f"speculation   verified as decode rows in the decode gears (K up to {spec['k_at_b1_in_decode_gears']} "
-                 f"at B=1); with scheduler.batch_invariant false, in prefill gears {small}; num_speculative_tokens "
-                 f"at most {spec['max_num_speculative_tokens']} (K+1 logits rows), "
-                 f"{spec['k_at_b1_in_smallest_gear']} at B=1 in the smallest prefill gear")
+    if record["task"] == "generate":  # an embedding artifact generates nothing to speculate on
+        lines.append(f"speculation   verified as decode rows in the decode gears (K up to "
+                     f"{spec['k_at_b1_in_decode_gears']} at B=1); with scheduler.batch_invariant false, in prefill "
+                     f"gears {small}; num_speculative_tokens at most {spec['max_num_speculative_tokens']} (K+1 logits "
+                     f"rows), {spec['k_at_b1_in_smallest_gear']} at B=1 in the smallest prefill gear")
     if tp["size"] > 1:
         lines.append(f"tensor        parallel over {tp['size']} ranks (graphs and weights per rank; embedding, LM head "
                      "and norms replicated)")

@@ -18,6 +18,8 @@ from .kv_pools import KVPools
 from .logits_processors import Penalties
 from .model_runner import GraphError, ModelRunner, RunStats, step_limits
 from .output_processor import CompletionOutput, OutputProcessor, RequestMetrics, RequestOutput
+from .pooling import Pooler
+from .pooling_params import PROMPT_ONLY, PoolingParams, wrong_task
 from .progress import RequestProgress
 from .sampler import Sampler
 from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
@@ -42,6 +44,7 @@ class RuntimeInfo:
     # Why greedy output may depend on the batch, chunking or prefix hits; None: it does not (docs/performance.md,
     # "Batch invariance": the fused ops' C++ kernels and scheduler.batch_invariant together make it so).
     batch_variance: str | None = None
+    task: str = "generate"  # what the artifact serves: generate (completions, chat) or embed (embeddings)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +113,11 @@ class LLMEngine:
         self.stats = EngineStats()
         self.runner = ModelRunner(self.artifact, self.manifest, pools, config.executor, config.threads,
                                   config.custom_ops, config.batch_invariant, self.stats)
-        self.kv = KVCacheManager.for_pools(pools, config.enable_prefix_caching, config.prefix_cache_salt)
+        pooling = self.model.pooling
+        # An embedding artifact's pooler; mean pooling reads no prefix hits: the cached tokens' rows are not kept.
+        self.pooler = Pooler(pooling) if pooling is not None else None
+        self.kv = KVCacheManager.for_pools(pools, config.enable_prefix_caching and (
+            pooling is None or pooling.type == "last"), config.prefix_cache_salt)
         self.stats.cache = self.kv.stats
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
@@ -133,6 +140,9 @@ class LLMEngine:
         target = Target(self.artifact, self.manifest, self.max_model_len, self.max_logits_rows, self.tokenizer,
                         self.runner, self.kv, self.structured,
                         lambda seq: not self.sampler.wants(seq, ignoring=self.structured))
+        if self.pooler is not None and config.speculative_config is not None:
+            raise ValueError(f"speculative_config: {self.artifact} was exported for embeddings (export.task embed), "
+                             "which generate no tokens to speculate on; remove speculative_config")
         self.speculator = speculator_for(config, target)
 
     # -- requests ---------------------------------------------------------------------------
@@ -145,43 +155,60 @@ class LLMEngine:
         server compiles on its tokenizer thread (a bad one raises RequestError, a large one never stalls a step)."""
         self.structured.compiler.compile(constraint)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Sequence:
         """Check and queue a request: the one place it is checked; raises RequestError (nothing queued).
 
         `params.max_tokens` None is `default_max_tokens` (a deployment's sampling.max_tokens) capped to the
         context left after the prompt; a max_tokens that was given and does not fit is refused.
+
+        An embedding artifact (`task` embed) takes PoolingParams (None: the defaults) and no SamplingParams, and a
+        generation artifact the reverse: its request ends once its prompt is pooled (`RequestOutput.embedding`), so
+        its prompt may fill max_model_len.
         """
         if isinstance(prompt_token_ids, (str, Mapping)):
             raise TypeError("add_request takes token ids; turn text or chat messages into them with "
                             "engine.prompts.token_ids(prompt)")
-        params = params or self.default_params
+        params = params or (PoolingParams() if self.pooler is not None else self.default_params)
+        if isinstance(params, PoolingParams) != (self.pooler is not None):
+            raise wrong_task(params, self.artifact)
         ids, limit = prompt_token_ids, self.max_model_len
         if not ids:
             raise RequestError("prompt", "is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.model.vocab_size for t in ids):
             raise RequestError("prompt_token_ids", f"token ids must be integers in [0, {self.model.vocab_size})")
-        params.check_vocab(self.model.vocab_size)
-        if len(ids) >= limit:
+        room = limit if isinstance(params, PoolingParams) else limit - 1  # a generation needs a position to write
+        if len(ids) > room:
             raise RequestError("prompt", f"the prompt is {len(ids)} tokens; this model's max_model_len is {limit}, "
-                                         f"so prompts must be at most {limit - 1} tokens", CONTEXT_LENGTH_EXCEEDED)
-        # Within max_model_len, so it fits the pool alone (checked at start) and preemption can never deadlock.
-        params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), limit, default_max_tokens))
-        if params.prompt_logprobs is not None and not self.scheduler.chunked_prefill \
-                and len(ids) > self.max_logits_rows:
-            raise RequestError("prompt_logprobs", f"a {len(ids)}-token prompt needs as many logits rows in one step "
-                                                  f"without chunked prefill, but the gears return at most "
-                                                  f"{self.max_logits_rows}; enable chunked prefill or shorten it")
+                                         f"so prompts must be at most {room} tokens", CONTEXT_LENGTH_EXCEEDED)
+        arrival = arrival if arrival is not None else time.perf_counter()
+        if isinstance(params, PoolingParams):
+            assert self.pooler is not None
+            params.check(self.pooler.pooling, self.model.hidden_size)
+            seq = Sequence(self._new_id(request_id), list(ids), PROMPT_ONLY, arrival, pooling=params)
+        else:
+            params.check_vocab(self.model.vocab_size)
+            # Within max_model_len, so it fits the pool alone (checked at start) and preemption can never deadlock.
+            params = replace(params, max_tokens=resolve_max_tokens(params.max_tokens, len(ids), limit,
+                                                                   default_max_tokens))
+            if params.prompt_logprobs is not None and not self.scheduler.chunked_prefill \
+                    and len(ids) > self.max_logits_rows:
+                raise RequestError("prompt_logprobs", f"a {len(ids)}-token prompt needs as many logits rows in one "
+                                                      f"step without chunked prefill, but the gears return at most "
+                                                      f"{self.max_logits_rows}; enable chunked prefill or shorten it")
+            seq = Sequence(self._new_id(request_id), list(ids), params, arrival)
+            if params.structured_outputs is not None:  # compiled (or found cached) here: a bad one queues nothing
+                self.structured.start(seq)
+        self._groups[seq.request_id] = [seq]
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_id(self, request_id: str | None) -> str:
         request_id = request_id or self.new_request_id()
         if request_id in self._groups:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        seq = Sequence(request_id, list(ids), params, arrival if arrival is not None else time.perf_counter())
-        if params.structured_outputs is not None:  # compiled (or found cached) here: a bad one queues nothing
-            self.structured.start(seq)
-        self._groups[request_id] = [seq]
-        self.scheduler.add(seq)
-        return seq
+        return request_id
 
     def abort(self, request_id: str) -> None:
         for seq in self._groups.get(request_id, []):
@@ -203,11 +230,11 @@ class LLMEngine:
         if batch is None:
             return []
         try:
-            logits = self.runner.run(batch)
+            rows = self.runner.run(batch)
         except GraphError as exc:  # a failed step fails its own requests only
             outputs = self._fail(batch, f"graph execution failed: {exc}")
         else:
-            outputs = self._postprocess(batch, logits, start)
+            outputs = self._postprocess(batch, rows, start) if self.pooler is None else self._pool(batch, rows, start)
         self.stats.host_s += time.perf_counter() - start - (self.stats.graph_s - graph_s)
         return outputs
 
@@ -249,6 +276,19 @@ class LLMEngine:
                 groups[seq.request_id] = self._groups[seq.request_id]
                 self._append(seq, token, row)
         return [self.outputs.output(g) for g in groups.values()]
+
+    def _pool(self, batch: ScheduledBatch, rows: np.ndarray, start: float) -> list[RequestOutput]:
+        """An embedding artifact's step: a sequence whose prompt is now pooled finishes with its vector (its blocks
+        are freed; full ones stay cached for last pooling)."""
+        assert self.pooler is not None
+        for seq in batch.seqs:
+            seq.first_scheduled_time = seq.first_scheduled_time or start
+        outputs = []
+        for seq in self.pooler.pool(batch, rows):
+            group = self._groups[seq.request_id]
+            self._finish(seq, "stop")
+            outputs.append(self.outputs.output(group))
+        return outputs
 
     def _verify(self, seq: Sequence, logits: np.ndarray, picks: list[int]) -> None:
         """Keep the drafts the target agrees with (runtime/spec): `picks` are the logits rows of the fed tokens."""
@@ -309,16 +349,25 @@ class LLMEngine:
                               self.speculator.stats.to_dict() if self.speculator is not None else None)
 
     def describe(self) -> list[str]:
-        """What was loaded, in words (the server logs it): the gears served, the KV pool, the scheduler limits."""
+        """What was loaded, in words (the server logs it): the task, the gears served, the KV pool, the scheduler
+        limits."""
         prefill, decode = self.runner.gears[PREFILL], self.runner.gears[DECODE]
         pools = self.runner.pools
-        return [f"buckets: prefill T={sorted({g.tokens for g in prefill})} (B<={max(g.seqs for g in prefill)}), "
+        head = "task generate (the LM head)" if self.pooler is None else \
+            f"task embed ({self.pooler.pooling.type} pooling: /v1/embeddings)"
+        return [head,
+                f"buckets: prefill T={sorted({g.tokens for g in prefill})} (B<={max(g.seqs for g in prefill)}), "
                 f"decode B={sorted({g.seqs for g in decode})}, context M={sorted({g.blocks for g in prefill + decode})}"
                 f"; {len(prefill)} prefill + {len(decode)} decode gears",
                 f"KV pool: {pools.num_blocks} blocks x {pools.block_size} tokens = {pools.num_slots} token slots, "
                 f"{pools.nbytes / 2**20:.1f} MiB of {pools.kv_cache_dtype} ({pools.bytes_per_block} bytes per block)",
                 f"scheduler: max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_num_batched_tokens}, "
                 f"max_model_len {self.max_model_len} (limits clamped to the gears)"]
+
+    @property
+    def task(self) -> str:
+        """`generate` or `embed`: what the artifact was exported for (Manifest.task)."""
+        return self.manifest.task
 
     def runtime_info(self) -> RuntimeInfo:
         """The executor, whether the custom kernels run, and the precision (weights, KV cache)."""
@@ -329,7 +378,8 @@ class LLMEngine:
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
                            kv_cache_dtype=self.kv_cache_dtype,
                            quantization=None if self.manifest.quantization == "none" else self.manifest.quantization,
-                           weight_formats=dict(self.manifest.weight_formats), batch_variance=variance)
+                           weight_formats=dict(self.manifest.weight_formats), batch_variance=variance,
+                           task=self.task)
 
 
 class LLM:
@@ -347,14 +397,28 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order; a prompt that cannot be served gets `error` set, the rest still run."""
+        return self._run(prompts, sampling_params or self.engine.default_params, "generate", progress)
+
+    def embed(self, prompts: Prompt | Iterable[Prompt],
+              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              progress: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order, its vector in `embedding` (an artifact exported with export.task embed,
+        as vLLM's `LLM.embed`); a prompt that cannot be served gets `error` set, the rest still run."""
+        return self._run(prompts, pooling_params or PoolingParams(), "embed", progress)
+
+    def _run(self, prompts: Prompt | Iterable[Prompt], params: Any, task: str, progress: bool) -> list[RequestOutput]:
+        if self.engine.task != task:
+            served = "LLM.embed, or /v1/embeddings of `pagedgraph serve`" if self.engine.task == "embed" else \
+                "LLM.generate, `pagedgraph generate`, or `pagedgraph serve`'s completions"
+            raise ValueError(f"LLM.{task}: {self.engine.artifact} was exported with export.task {self.engine.task}: "
+                             f"use {served}; or export the model with export.task: {task}")
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        params = (sampling_params if isinstance(sampling_params, Seq)
-                  else [sampling_params or self.engine.default_params] * len(prompts))
+        each = params if isinstance(params, Seq) else [params] * len(prompts)
         results: dict[int, RequestOutput] = {}
         index: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p) in enumerate(zip(prompts, each)):
             try:
                 index[self.engine.add_request(self.engine.prompts.token_ids(prompt), p).request_id] = i
             except RequestError as exc:
@@ -372,5 +436,5 @@ class LLM:
         return [results[i] for i in range(len(prompts))]
 
 
-__all__ = ["CompletionOutput", "EngineConfig", "EngineSnapshot", "LLM", "LLMEngine", "RequestMetrics", "RequestOutput",
-           "RuntimeInfo", "SequenceStatus"]
+__all__ = ["CompletionOutput", "EngineConfig", "EngineSnapshot", "LLM", "LLMEngine", "PoolingParams", "RequestMetrics",
+           "RequestOutput", "RuntimeInfo", "SequenceStatus"]

@@ -168,16 +168,19 @@ def pool_values(pools: KVPools, rank: int = 0) -> dict[str, ort.OrtValue]:
 
 
 def step_binding(session: ort.InferenceSession, inputs: dict[str, np.ndarray], pools: dict[str, ort.OrtValue],
-                 logits: np.ndarray) -> ort.IOBinding:
-    """A step's binding: the inputs and logits by their buffers, each KV pool as both the input and the output of
-    its layer, so ReshapeAndCache writes in place (a run without it copies every pool per call)."""
+                 output: str, rows: np.ndarray) -> ort.IOBinding:
+    """A step's binding: the inputs the graph reads and its head's `output` (logits or pooled rows) by their
+    buffers, each KV pool as both the input and the output of its layer, so ReshapeAndCache writes in place (a run
+    without it copies every pool per call)."""
     binding = session.io_binding()
+    read = {i.name for i in session.get_inputs()}  # a mean-pooling graph reads no logits_indices
     for name, array in inputs.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        if name in read:
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
     for name, value in pools.items():
         binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(c.cache_output_name(name), value)
-    binding.bind_ortvalue_output(c.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+    binding.bind_ortvalue_output(output, ort.OrtValue.ortvalue_from_numpy(rows))
     return binding
 
 
@@ -201,21 +204,24 @@ class OrtExecutor:
         self.pools = pools
         self._pool_values = pool_values(pools)
         self._bindings: dict[Gear, tuple[ort.IOBinding, np.ndarray]] = {}
-        # One logits buffer for all gears, each binding its first `seqs` rows: per-gear buffers were each resident
-        # once written (a mixed run touches ~6 gears, ~34 MiB at a 49k vocabulary; docs/performance.md, 'Precision').
+        # One output buffer for all gears, each binding its first `seqs` rows: per-gear buffers were each resident
+        # once written (a mixed run touches ~6 gears, ~34 MiB of logits at a 49k vocabulary; docs/performance.md,
+        # 'Precision').
         rows = max(gear.seqs for family in manifest.families.values() for gear in family.gears)
-        self._logits = np.zeros((rows, self.model.vocab_size), np.float32)
+        self._output, width = c.head_output(self.model)
+        self._rows = np.zeros((rows, width), np.float32)
 
     def _binding(self, gear: Gear, inputs: dict[str, np.ndarray]) -> tuple[ort.IOBinding, np.ndarray]:
         cached = self._bindings.get(gear)
         if cached is None:
-            logits = self._logits[:gear.seqs]
-            cached = self._bindings[gear] = (step_binding(self.session, inputs, self._pool_values, logits), logits)
+            rows = self._rows[:gear.seqs]
+            cached = self._bindings[gear] = (step_binding(self.session, inputs, self._pool_values, self._output, rows),
+                                             rows)
         return cached
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one step; `inputs` must be the packer's buffers for this gear (bound once, by identity). The logits
-        are a view of the executor's one buffer, valid until the next run."""
+        (or pooled rows) are a view of the executor's one buffer, valid until the next run."""
         binding, logits = self._binding(gear, inputs)
         self.session.run_with_iobinding(binding, self._run_options)
         return logits

@@ -60,6 +60,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)  # all n; token_ids/text above are the first's
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
     metrics: RequestMetrics | None = None  # set once the request has finished
+    embedding: np.ndarray | None = None  # an embedding request's vector (float32), once its prompt is pooled
 
     @property
     def finished(self) -> bool:
@@ -159,7 +160,8 @@ class OutputProcessor:
         return RequestOutput(first.request_id, first.prompt_token_ids, first.output_token_ids, first.text,
                              first.finish_reason, next((s.error for s in group if s.error), None),
                              first.num_cached_tokens, first.logprobs, completions, first.prompt_logprobs,
-                             _metrics(group) if done else None)
+                             _metrics(group) if done else None,
+                             first.pooled if first.pooling is not None and done else None)
 
 
 def _metrics(group: list[Sequence]) -> RequestMetrics:

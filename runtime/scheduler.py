@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .kv_cache_manager import CopyPairs, KVCacheManager
+from .pooling_params import PoolingParams
 from .prompt_logprobs import PromptLogprobs
 from .sampling_params import SamplingParams
 
@@ -64,6 +65,10 @@ class Sequence:
     # target to verify; only within a step: runtime/spec/speculator.py adds them before scheduling and
     # removes them when the step's logits are in (or the sequence was not scheduled).
     num_draft_tokens: int = 0
+    # An embedding request (runtime/pooling.py): its parameters, and its pooled rows so far, then its vector. It ends
+    # when its prompt is fed, freeing its blocks (`params` is then pooling_params.PROMPT_ONLY, never sampled).
+    pooling: PoolingParams | None = None
+    pooled: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -156,7 +156,9 @@ class TensorParallelExecutor:
             self.ranks.append(RankGraph(onnx.load_model(path, load_external_data=False), options,
                                         pool_values(pools, rank), path.parent))
         self._run_options = run_options()
+        self._output = c.head_output(manifest.model)[0]
 
     def run(self, gear: Gear, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """One step's logits [gear.seqs, vocab] (rank 0's; every rank computes the same replicated LM head)."""
-        return run_ranks(self.ranks, [inputs] * len(self.ranks), self._run_options)[0][c.LOGITS]
+        """One step's logits [gear.seqs, vocab] or pooled rows [gear.seqs, hidden] (rank 0's; every rank computes the
+        same replicated head)."""
+        return run_ranks(self.ranks, [inputs] * len(self.ranks), self._run_options)[0][self._output]

@@ -37,7 +37,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
     import onnxruntime as ort
 
     from pagedgraph.artifact.manifest import Manifest
-    from pagedgraph.graphs.contract import DECODE, PREFILL
+    from pagedgraph.graphs.contract import DECODE, LOGITS, PREFILL
     from pagedgraph.cpu_kernels.int8_gemm import cpu_session
     from pagedgraph.runtime.bench.kernels import per_op_times, step_feed
     from pagedgraph.runtime.executor_ort import (page_out_weights, pool_values, register_custom_ops, run_options,
@@ -66,7 +66,7 @@ def measure(artifact: Path, prepack: bool, threads: int | None, runs: int) -> di
         for name, gear in gears.items():
             logits = np.zeros((gear.seqs, manifest.model.vocab_size), np.float32)
             pools = KVPools(manifest, gear.blocks + 1)
-            binding = step_binding(session, step_feed(gear, manifest.block_size), pool_values(pools), logits)
+            binding = step_binding(session, step_feed(gear, manifest.block_size), pool_values(pools), LOGITS, logits)
             times = []
             for _ in range(runs + 1):  # the first also warms the arena: left out
                 started = time.perf_counter()

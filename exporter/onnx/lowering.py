@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
+import numpy as np
 from onnx import FunctionProto, TensorProto, helper
 
 from . import attention, quantized
@@ -92,6 +93,19 @@ def _all_reduce(g: OnnxGraph, inputs: Sequence[str], attrs: Any) -> list[str]:
     """One `atb` node without a function body: ONNX Runtime refuses a rank graph unless a kernel for it is
     registered (a collective) or the runtime splits the graph there and sums (runtime/tp_executor.py)."""
     return [g.n.op(ops.ALL_REDUCE.name, *inputs, domain=ops.OP_SET_DOMAIN, rank_size=attrs.rank_size)]
+
+
+def _segment_sum(g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
+    """A [B, T] 0/1 matrix of which rows each sequence owns (cu[b] <= row < cu[b + 1]) times x: one MatMul, summed
+    in float32 as the matmul accumulates, at a cost of B x T x W, small beside a layer's."""
+    n = g.n
+    x, cu = inputs
+    rows = n.unsqueeze(n.op("Range", n.const(0), n.op("Squeeze", n.shape_dim(x, 0)), n.const(1)), [0])
+    bounds = n.cast(cu)
+    starts = n.unsqueeze(n.op("Slice", bounds, n.const([0]), n.const([-1])), [1])
+    ends = n.unsqueeze(n.op("Slice", bounds, n.const([1]), n.const([np.iinfo(np.int64).max])), [1])
+    owned = n.op("And", n.op("GreaterOrEqual", rows, starts), n.op("Less", rows, ends))
+    return [n.op("MatMul", n.cast(owned, TensorProto.FLOAT), x)]
 
 
 def _linear(g: OnnxGraph, inputs: Sequence[str | None], attrs: Attributes) -> list[str]:
@@ -174,7 +188,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
                                          block_minimum=_FUNCTION_BODIES[ops.BLOCK_MINIMUM]),
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: partial(quantized.linear_w8a8, dynamic_quant=_FUNCTION_BODIES[ops.DYNAMIC_QUANT]),
-     ops.GATHER_BF16: _gather_bf16, ops.ALL_REDUCE: _all_reduce,
+     ops.GATHER_BF16: _gather_bf16, ops.ALL_REDUCE: _all_reduce, ops.SEGMENT_SUM: _segment_sum,
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")

@@ -20,6 +20,7 @@ from .weights_file import StreamedWeights, WeightsFile
 from ...graphs import contract as c
 from ...graphs import models
 from ...graphs.config import ModelConfig
+from ...graphs.decoder import head_weight
 from ...graphs.family import GraphOptions
 from ...graphs.weight_forms import WeightForms
 from ...graphs.weights import graph_weight
@@ -88,7 +89,8 @@ def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int |
             used = 0
         groups[-1].append(layer)
         used += size
-    head = nbytes("embed" if model.tie_word_embeddings else "lm_head")
+    lm_head = head_weight(model)
+    head = 0 if lm_head is None else nbytes(lm_head)
     if len(groups) > 1 and used + head > budget:
         groups.append([])
     return [tuple(g) for g in groups]
@@ -147,7 +149,8 @@ def slice_weights(model: ModelConfig, layers: Sequence[int], head: bool) -> list
     if layers and layers[0] == 0:
         names.append("embed")
     if head:
-        names += ["final_norm", "embed" if model.tie_word_embeddings else "lm_head"]
+        lm_head = head_weight(model)
+        names += ["final_norm"] + ([] if lm_head is None else [lm_head])
     return names
 
 

@@ -21,6 +21,7 @@ from .paged_attention import PAGED_ATTENTION, paged_attention
 from .reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
 from .rms_norm import RMS_NORM, RMS_NORM_HEADS, rms_norm, rms_norm_heads
 from .rope import ROPE, rope
+from .segment_sum import SEGMENT_SUM, segment_sum
 from .self_attention import SELF_ATTENTION, self_attention
 from .split import SPLIT, split
 from .swiglu import SWIGLU, swiglu
@@ -35,15 +36,15 @@ OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, GATHER_BF16, ADD, SPLIT, 
                        RMS_NORM_HEADS, ADD_RMS_NORM, ROPE, SWIGLU,
                        RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
                        PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION,
-                       ALL_REDUCE)
+                       ALL_REDUCE, SEGMENT_SUM)
 
 __all__ = [
     "ADD", "ADD_RMS_NORM", "ALL_REDUCE", "BLOCK_MINIMUM", "DYNAMIC_QUANT", "GATHER", "GATHER_BF16",
     "GATHER_BLOCK_QUANTIZED", "KV_CACHE_OPS", "LINEAR", "LINEAR_BF16", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8",
     "LINEAR_W8A8_STATIC", "OPS", "OP_SET_DOMAIN", "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16",
     "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8", "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16",
-    "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "RMS_NORM_HEADS", "ROPE", "SELF_ATTENTION", "SPLIT",
-    "SWIGLU",
+    "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "RMS_NORM_HEADS", "ROPE", "SEGMENT_SUM",
+    "SELF_ATTENTION", "SPLIT", "SWIGLU",
     "Op", "add", "add_rms_norm", "all_reduce", "gather", "linear", "paged_attention", "reshape_and_cache",
-    "rms_norm", "rms_norm_heads", "rope", "self_attention", "split", "swiglu",
+    "rms_norm", "rms_norm_heads", "rope", "segment_sum", "self_attention", "split", "swiglu",
 ]

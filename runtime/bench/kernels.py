@@ -61,7 +61,7 @@ def profile_kernels(artifact: Path, threads: int | None, custom_ops: CustomOps, 
             logits = np.zeros((gear.seqs, manifest.model.vocab_size), np.float32)
             pools = KVPools(manifest, gear.blocks + 1)  # the graph's own cache dtype (auto)
             # Bound as the engine runs a step: the pools in place (a plain run copies every pool per layer).
-            binding = step_binding(session, step_feed(gear, manifest.block_size), pool_values(pools), logits)
+            binding = step_binding(session, step_feed(gear, manifest.block_size), pool_values(pools), c.LOGITS, logits)
             run = run_options()
             for _ in range(runs + 1):  # the first run also prepacks: left out below
                 session.run_with_iobinding(binding, run)

@@ -3,11 +3,12 @@
 A body is read under `server.max_body_bytes` (`BodyLimit`, the app's middleware) before anything parses it.
 Requests are validated on the event loop and tokenized on one worker thread (a long prompt never
 stalls other streams), then handed to the `EngineLoop`, one engine request per prompt (a completions body
-may hold a list of prompts: they run side by side in the engine and are answered together); a handler
-holds their `RequestHandle`s until they finish, and whichever way the HTTP request ends (answered, timed
-out, client gone, server draining, one of its prompts failed) every handle is closed, which aborts an
-unfinished request and frees its blocks. Each generation is logged once when it ends: counts and timing,
-never the API key, and the prompt text only with `server.log_prompts`.
+may hold a list of prompts, an embeddings body a list of inputs: they run side by side in the engine and are
+answered together). An artifact serves the task it was exported for (`check_task`): completions and chat, or
+embeddings, score and rerank. A handler holds their `RequestHandle`s until they finish, and whichever way the
+HTTP request ends (answered, timed out, client gone, server draining, one of its prompts failed) every handle is
+closed, which aborts an unfinished request and frees its blocks. Each request is logged once when it ends: counts
+and timing, never the API key, and the prompt text only with `server.log_prompts`.
 """
 from __future__ import annotations
 
@@ -35,14 +36,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..deploy_config import Deployment
 from ..engine import RequestOutput
 from ..constraints import ConstraintError
+from ..pooling_params import PoolingParams
 from ..sampling_params import RequestError, SamplingParams
 from ..traffic import RequestLog, TraceRequest
 from . import metrics
 from .engine_loop import EngineLoop, PromptRefused, RequestHandle, merged
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     SamplingFields, TokenizeRequest)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                       RerankRequest, SamplingFields, ScoreRequest, TokenizeRequest, named)
 from .tool_calls import (ToolChatFormat, ToolRequest, structured_output, template_takes_tools,
                                        tool_request)
+from .embeddings import embedding_response, rerank_response, score_response
 from .responses import ChatFormat, CompletionFormat, DeltaTracker, Format, sse, usage
 
 log = logging.getLogger("pagedgraph.server")
@@ -163,6 +166,8 @@ class Frontend:
                                        plan["expected_padding_waste"] if plan else None)
         self.request_log = RequestLog(self.limits.request_log) if self.limits.request_log else None
         self.runtime = self.loop.engine.runtime_info().to_dict()
+        self.task = self.runtime["task"]  # generate or embed: which endpoints answer (`check_task`)
+        self.pooling, self.hidden_size = engine.model.pooling, engine.model.hidden_size
         self._rendered: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # body JSON -> prompt text, ids
 
     def close(self) -> None:
@@ -178,7 +183,11 @@ class Frontend:
         if position is None:
             return APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field,
                             code=exc.code)
-        name = f"{prompt_field}[{position}]"
+        return Frontend._refused_as(exc, f"{prompt_field}[{position}]")
+
+    @staticmethod
+    def _refused_as(exc: RequestError, name: str) -> APIError:
+        """400 for the prompt the request calls `name` (`input[2]`, `documents[0]`)."""
         if exc.field in ("prompt", "prompt_token_ids"):
             return APIError(400, f"{name}: {str(exc).removeprefix(f'{exc.field}: ')}", param=name, code=exc.code)
         return APIError(400, f"{name}: {exc}", param=exc.field, code=exc.code)
@@ -219,6 +228,20 @@ class Frontend:
         Each prompt is one generation in flight (`max_concurrent_requests`); `listed`: they came as a list, and
         a refused one is named by its position. They are queued together or not at all."""
         await self._compile(params)
+        handles = await self._submit(prompts, params, lambda refused: self._refused(
+            refused.error, prompt_field, refused.index if listed else None))
+        close = partial(self._close_all, handles, request.url.path, time.perf_counter(),
+                        shown if self.limits.log_prompts else [None] * len(prompts))
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            return _EventStream(self._events(handles, fmt, params.n, hold, include_usage), close)
+        return JSONResponse(fmt.response(await self._results(request, handles, close), params.n))
+
+    async def _submit(self, prompts: list[list[int]], params: SamplingParams | PoolingParams,
+                      refuse: Callable[[PromptRefused], APIError]) -> list[RequestHandle]:
+        """Admit `prompts` (each one request in flight, `max_concurrent_requests`) and queue them together, or none:
+        a prompt the engine refuses is answered `refuse(...)`."""
         self.check_admitting()
         count = len(prompts)
         if self.counters.in_flight + count > self.limits.max_concurrent_requests:
@@ -230,17 +253,16 @@ class Frontend:
             handles = await self.loop.submit(prompts, params, self.limits.request_timeout_s, self.default_max_tokens)
         except PromptRefused as refused:
             self.counters.in_flight -= count
-            raise self._refused(refused.error, prompt_field, refused.index if listed else None) from None
+            raise refuse(refused) from None
         except BaseException:
             self.counters.in_flight -= count
             raise
         self.counters.prompt_tokens += sum(map(len, prompts))
-        close = partial(self._close_all, handles, request.url.path, time.perf_counter(),
-                        shown if self.limits.log_prompts else [None] * count)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            return _EventStream(self._events(handles, fmt, params.n, hold, include_usage), close)
+        return handles
+
+    async def _results(self, request: Request, handles: list[RequestHandle],
+                       close: Callable[[], None]) -> list[RequestOutput]:
+        """Every request's final output, in order (`close` runs however it ends); the first failure as its error."""
         try:
             outs = await self._wait(request, handles)
         finally:
@@ -248,7 +270,7 @@ class Frontend:
         failed = next((out for out in outs if out.error), None)
         if failed is not None:
             raise self._failure(failed)
-        return JSONResponse(fmt.response(outs, params.n))
+        return outs
 
     def _close_all(self, handles: list[RequestHandle], path: str, started: float,
                    prompts: list[str | None]) -> None:
@@ -372,38 +394,53 @@ class Frontend:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
 
-    def _completion_prompts(self, body: CompletionRequest) -> list[str | list[int]]:
-        """The prompts of a completions body, within `server.max_prompts_per_request` (and what can be in flight)."""
-        prompts = body.prompts
+    def _within_limit(self, prompts: list[T], field: str) -> list[T]:
+        """`prompts` (of one request), within `server.max_prompts_per_request` and what can be in flight."""
         limit, setting = min((self.limits.max_prompts_per_request, "max_prompts_per_request"),
                              (self.limits.max_concurrent_requests, "max_concurrent_requests"))
         if len(prompts) > limit:
             raise APIError(400, f"{len(prompts)} prompts in one request; this server takes at most server.{setting} = "
-                                f"{limit} per request: split the list", param="prompt")
+                                f"{limit} per request: split the list", param=field)
         return prompts
 
-    async def _completion_ids(self, body: CompletionRequest, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Each prompt's token ids; the text ones tokenized together on the tokenizer thread."""
-        if all(not isinstance(prompt, str) for prompt in prompts):
-            return [list(prompt) for prompt in prompts]
-        return await self._on_tokenizer(partial(self._encode_all, prompts, body.listed), "prompt")
+    async def _token_ids(self, prompts: list[tuple[str, str | list[int]]],
+                         add_special_tokens: bool = True) -> list[list[int]]:
+        """Each (name, prompt)'s token ids, errors naming it; the text ones tokenized together on the tokenizer
+        thread."""
+        if all(not isinstance(prompt, str) for _, prompt in prompts):
+            return [list(prompt) for _, prompt in prompts]
+        return await self._on_tokenizer(partial(self._encode_all, prompts, add_special_tokens), prompts[0][0])
 
-    def _encode_all(self, prompts: list[str | list[int]], listed: bool) -> list[list[int]]:
-        return [self.prompts.encode(prompt, f"prompt[{i}]" if listed else "prompt") if isinstance(prompt, str)
-                else list(prompt) for i, prompt in enumerate(prompts)]
+    def _encode_all(self, prompts: list[tuple[str, str | list[int]]], add_special_tokens: bool) -> list[list[int]]:
+        return [self.prompts.encode(prompt, name, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+                for name, prompt in prompts]
 
     async def _chat_ids(self, body: ChatCompletionRequest, tools: ToolRequest) -> tuple[str, list[int]]:
         """The messages rendered with the chat template (and the tools), and their token ids."""
         messages, variables = tools.render([m.plain() for m in body.messages], self.template_takes_tools)
         return await self._on_tokenizer(partial(self.prompts.encode_chat, messages, **variables), "messages")
 
+    def check_task(self, task: str, path: str) -> None:
+        """An endpoint of the other task than the artifact's (`export.task`) is a 400 naming both and the fix."""
+        if self.task == task:
+            return
+        if self.task == "embed":
+            served = (f"an embedding model (exported with export.task embed): it answers /v1/embeddings, /v1/score "
+                      f"and /v1/rerank, not {path}; serve an artifact exported with export.task generate for {path}")
+        else:
+            served = (f"a generation model (exported with export.task generate): it answers /v1/completions and "
+                      f"/v1/chat/completions, not {path}; export an embedding model (`pagedgraph export --task "
+                      "embed`) and serve that")
+        raise APIError(400, f"model {self.model!r} is {served}", param="model", code="wrong_model_task")
+
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        self.check_task("generate", "/v1/completions")
         self.check_admitting()
-        prompts = self._completion_prompts(body)
+        prompts = self._within_limit(body.prompts, "prompt")
         params = self._params(body)  # the body's own rules and caps before any tokenizing
         recalled = self._recall(body)
-        ids = [recalled[1]] if recalled is not None else await self._completion_ids(body, prompts)
+        ids = [recalled[1]] if recalled is not None else await self._token_ids(named("prompt", body.prompt))
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
@@ -418,6 +455,7 @@ class Frontend:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        self.check_task("generate", "/v1/chat/completions")
         self.check_admitting()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -428,6 +466,48 @@ class Frontend:
                if tools.active else ChatFormat(self.model, self.tokenizer, body.num_logprobs))
         return await self.generate(request, body, params, [ids], "messages", fmt, [text])
 
+    # An embedding artifact: /v1/embeddings, and vLLM's /v1/score and /v1/rerank, whose scores are the cosine
+    # similarities of the texts' vectors (vLLM's bi-encoder scoring). Each text is one request in flight.
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        texts = self._for_embedding(body.model, "/v1/embeddings", named("input", body.input), "input")
+        params = PoolingParams(body.dimensions)
+        assert self.pooling is not None  # an embedding artifact's (check_task)
+        try:  # before any tokenizing (LLMEngine.add_request checks it again)
+            params.check(self.pooling, self.hidden_size)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+        outs = await self._embed(request, texts, params, body.add_special_tokens)
+        return JSONResponse(embedding_response(self.model, outs, body.encoding_format))
+
+    async def score(self, body: ScoreRequest, request: Request) -> Response:
+        texts = self._for_embedding(body.model, "/v1/score", body.texts(), "text_2")
+        pairs = body.pairs()
+        return JSONResponse(score_response(self.model, await self._embed(request, texts, PoolingParams()), pairs))
+
+    async def rerank(self, body: RerankRequest, request: Request) -> Response:
+        texts = self._for_embedding(body.model, "/v1/rerank", body.texts(), "documents")
+        outs = await self._embed(request, texts, PoolingParams())
+        return JSONResponse(rerank_response(self.model, body.documents, outs, body.top_n, body.return_documents))
+
+    def _for_embedding(self, model: str | None, path: str, texts: list[tuple[str, str | list[int]]],
+                       field: str) -> list[tuple[str, str | list[int]]]:
+        """The model, the task, admission and the texts' count, checked before any tokenizing."""
+        self.check_model(model)
+        self.check_task("embed", path)
+        self.check_admitting()
+        return self._within_limit(texts, field)
+
+    async def _embed(self, request: Request, texts: list[tuple[str, str | list[int]]], params: PoolingParams,
+                     add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Each (name, text)'s finished output, its vector in `embedding`; a refused text is a 400 naming it."""
+        ids = await self._token_ids(texts, add_special_tokens)
+        handles = await self._submit(ids, params, lambda refused: self._refused_as(refused.error,
+                                                                                   texts[refused.index][0]))
+        shown = [t if isinstance(t, str) else f"<{len(i)} token ids>" for (_, t), i in zip(texts, ids)]
+        close = partial(self._close_all, handles, request.url.path, time.perf_counter(),
+                        shown if self.limits.log_prompts else [None] * len(ids))
+        return await self._results(request, handles, close)
+
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's cache_aware policy asks
     # for them before it routes a request, and matches them against each replica's prefix tree.
     # The router then sends the same body to generate: the ids are kept for it, so the replica that serves it
@@ -435,11 +515,13 @@ class Frontend:
     async def render_completion(self, body: CompletionRequest) -> dict[str, Any]:
         """A list of prompts is routed by its first prompt's ids, and is tokenized again when it is sent."""
         self.check_model(body.model)
-        ids = await self._completion_ids(body, self._completion_prompts(body))
+        self.check_task("generate", "/v1/completions/render")
+        ids = await self._token_ids(self._within_limit(named("prompt", body.prompt), "prompt"))
         return self._render(body, "", ids[0], keep=not body.listed)
 
     async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
         self.check_model(body.model)
+        self.check_task("generate", "/v1/chat/completions/render")
         return self._render(body, *await self._chat_ids(body, tool_request(body, self.tokenizer)))
 
     @staticmethod
@@ -460,7 +542,7 @@ class Frontend:
     def models(self) -> dict[str, Any]:
         """The model card carries what runs it (`runtime`: executor, custom ops, precision), as /version does."""
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "pagedgraph",
-                "max_model_len": self.max_model_len, "runtime": self.runtime}
+                "max_model_len": self.max_model_len, "task": self.task, "runtime": self.runtime}
         return {"object": "list", "data": [card]}
 
     def version(self) -> dict[str, Any]:
@@ -602,6 +684,9 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
     v1.add_api_route("/chat/completions", frontend.chat, methods=["POST"])
     v1.add_api_route("/completions/render", frontend.render_completion, methods=["POST"])
     v1.add_api_route("/chat/completions/render", frontend.render_chat, methods=["POST"])
+    v1.add_api_route("/embeddings", frontend.embeddings, methods=["POST"])
+    v1.add_api_route("/score", frontend.score, methods=["POST"])
+    v1.add_api_route("/rerank", frontend.rerank, methods=["POST"])
     v1.add_api_route("/models", frontend.models, methods=["GET"])
     app.include_router(v1)
     # vLLM serves these at the root; like /v1 they need the API key when one is set.

@@ -14,6 +14,7 @@ import threading
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from ..engine import EngineSnapshot, LLMEngine, RequestOutput
+from ..pooling_params import PoolingParams
 from ..sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
 log = logging.getLogger("pagedgraph.server")
@@ -145,7 +146,7 @@ class EngineLoop:
         self._commands.put(command)
         return await future
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float,
+    async def submit(self, prompts: list[list[int]], params: SamplingParams | PoolingParams, timeout_s: float,
                      default_max_tokens: int = DEFAULT_MAX_TOKENS) -> list[RequestHandle]:
         """Queue one request per prompt through `LLMEngine.add_request`, all in one command (no step runs
         between them); raises PromptRefused if one cannot be served, and then none stays queued."""
@@ -179,7 +180,7 @@ class EngineLoop:
                 handle.outputs.put_nowait(out)
 
     # -- engine-thread side -----------------------------------------------------------------
-    def _add(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+    def _add(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams | PoolingParams,
              default_max_tokens: int) -> None:
         """All or nothing: a refused prompt aborts the ones added before it."""
         added: list[str] = []

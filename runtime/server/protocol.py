@@ -100,6 +100,25 @@ class ResponseFormat(_Part):
         return None
 
 
+Prompts = str | list[int] | list[str] | list[list[int]]  # one prompt (text or token ids), or a list of them
+
+
+def listed(prompts: Prompts) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt."""
+    return isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+
+
+def prompt_list(prompts: Prompts) -> list[str | list[int]]:
+    """Each prompt, in order: the one given, or those of the list."""
+    return list(prompts) if listed(prompts) else [prompts]  # type: ignore[list-item]
+
+
+def named(field: str, prompts: Prompts) -> list[tuple[str, str | list[int]]]:
+    """Each prompt of a request's `field` with its name in errors: the field itself, or `field[i]` in a list."""
+    each = prompt_list(prompts)
+    return [(f"{field}[{i}]" if listed(prompts) else field, p) for i, p in enumerate(each)]
+
+
 class SamplingFields(_Body):
     """Fields shared by both endpoints; None means "use the deployment's default"."""
 
@@ -161,7 +180,7 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompts
     logprobs: int | None = None
     echo: bool = False  # the prompt's text before the completion's (with logprobs: the prompt tokens' too)
     suffix: str | None = None
@@ -171,13 +190,12 @@ class CompletionRequest(SamplingFields):
     @property
     def listed(self) -> bool:
         """`prompt` is a list of prompts (strings or token-id lists), not one: errors name a position."""
-        prompt = self.prompt
-        return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        return listed(self.prompt)
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the body, in order: the one it holds, or those of its list."""
-        return list(self.prompt) if self.listed else [self.prompt]  # type: ignore[list-item]
+        return prompt_list(self.prompt)
 
     def sampling(self) -> dict[str, Any]:
         """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does; with
@@ -334,3 +352,52 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings body, with vLLM's `add_special_tokens`."""
+
+    model: str | None = None
+    input: Prompts
+    encoding_format: Literal["float", "base64"] = "float"  # base64: the float32 little-endian bytes
+    dimensions: int | None = None  # a Matryoshka model's first d dimensions (export.pooling.matryoshka)
+    user: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's own around each text (Qwen3-Embedding's closing EOS)
+
+
+class ScoreRequest(_Body):
+    """vLLM's /score body: each text of `text_1` against its text of `text_2` (one `text_1` against all)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def texts(self) -> list[tuple[str, str]]:
+        """Every text with its name in errors: text_1's, then text_2's."""
+        return [(name, text) for field in ("text_1", "text_2") for name, text in named(field, getattr(self, field))]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Each score's two texts, as indices into `texts()`: a single text_1 pairs with every text_2, else they
+        pair in order."""
+        first = 1 if isinstance(self.text_1, str) else len(self.text_1)
+        second = 1 if isinstance(self.text_2, str) else len(self.text_2)
+        if not first or not second:
+            raise APIError(400, "text_1 and text_2 each need at least one text", param="text_2" if first else "text_1")
+        if first not in (1, second):
+            raise APIError(400, f"text_1 has {first} texts and text_2 {second}: give one text_1, or as many as "
+                                "text_2 (paired in order)", param="text_1")
+        return [(i if first > 1 else 0, first + i) for i in range(second)]
+
+
+class RerankRequest(_Body):
+    """vLLM's (and Jina's, Cohere's) /rerank body: `documents` ordered by their similarity to `query`."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int = Field(0, ge=0)  # the best n; 0: all
+    return_documents: bool = True
+
+    def texts(self) -> list[tuple[str, str]]:
+        """The query, then the documents, each with its name in errors."""
+        return [("query", self.query), *named("documents", self.documents)]

@@ -280,10 +280,10 @@ def test_read_checkpoint_dispatches_gguf_and_rejects_others(tmp_path: Path, monk
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     fake = types.ModuleType("pagedgraph.exporter.checkpoint.gguf_reader")
-    fake.read_gguf = lambda p, keep_blocks: ("gguf", p, keep_blocks)  # type: ignore[attr-defined]
+    fake.read_gguf = lambda p, keep_blocks, pooling: ("gguf", p, keep_blocks, pooling)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pagedgraph.exporter.checkpoint.gguf_reader", fake)
-    assert read_checkpoint(gguf) == ("gguf", gguf, False)
-    assert read_checkpoint(gguf, keep_blocks=True) == ("gguf", gguf, True)
+    assert read_checkpoint(gguf) == ("gguf", gguf, False, None)
+    assert read_checkpoint(gguf, keep_blocks=True) == ("gguf", gguf, True, None)
 
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")
