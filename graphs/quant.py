@@ -297,3 +297,19 @@ def w8a8_static_parts(name: str) -> list[str]:
 def int8_graph_arrays(name: str, w: Int8PerChannel) -> dict[str, np.ndarray]:
     codes, scale = int8_graph_parts(name)
     return {codes: np.ascontiguousarray(w.q.T), scale: np.ascontiguousarray(w.scale, np.float32)}
+
+
+def stacked_graph_arrays(name: str, experts: Sequence[BlockQuantized]) -> dict[str, np.ndarray]:
+    """The graph parameters of a stack of same-form quantized weights (a MoE layer's experts, GroupedMatmul's
+    weight [E, N, K]): each part of `graph_arrays` with a leading expert axis."""
+    forms = {(w.shape, w.bits, w.block_size, w.minimum is not None, w.form.default_zero_point) for w in experts}
+    if len(forms) != 1:
+        raise ValueError(f"{name}: the experts' quantized forms differ ({sorted(forms)}); a GroupedMatmul reads one "
+                         "form for every expert: quantize them alike")
+    parts = [graph_arrays(name, w) for w in experts]
+    return {part: np.ascontiguousarray(np.stack([p[part] for p in parts])) for part in parts[0]}
+
+
+def unstack(arrays: Sequence[np.ndarray | None], expert: int) -> list[np.ndarray | None]:
+    """One expert's slices of stacked parts (None stays None)."""
+    return [None if a is None else a[expert] for a in arrays]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from onnx import FunctionProto, TensorProto, helper
 
-from . import attention, quantized
+from . import attention, moe, quantized
 from .kv_cache import to_cache
 from .nodes import OPSET, Nodes
 from ...graphs import ops
@@ -150,6 +150,9 @@ _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
     ops.BLOCK_MINIMUM: quantized.block_minimum, ops.DYNAMIC_QUANT: quantized.dynamic_quant,
     ops.LINEAR_BF16: _linear_bf16_body,
     ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
+    ops.MOE_GATING_TOP_K_SOFTMAX: moe.moe_gating_top_k_softmax, ops.MOE_INIT_ROUTING: moe.moe_init_routing,
+    ops.GROUPED_MATMUL: moe.grouped_matmul, ops.GROUPED_MATMUL_BF16: moe.grouped_matmul_bf16,
+    ops.MOE_TOKEN_UNPERMUTE: moe.moe_token_unpermute,
     **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
     **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
 }
@@ -162,6 +165,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: partial(quantized.linear_w8a8, dynamic_quant=_FUNCTION_BODIES[ops.DYNAMIC_QUANT]),
      ops.GATHER_BF16: _gather_bf16, ops.ALL_REDUCE: _all_reduce,
+     ops.GROUPED_MATMUL_BLOCK_QUANTIZED: moe.grouped_matmul_block_quantized,
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")
