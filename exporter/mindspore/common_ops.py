@@ -46,4 +46,14 @@ class Linear(Body):
         return y + bias
 
 
+def antiquant_offset(zero_points, minimum, scales):
+    """The additive offset on signed codes of an Ascend weight-quantized matmul (WeightQuantBatchMatmul,
+    GroupedMatmulV4's antiquant): the zero point's, plus minimum / scale; None where the form has neither."""
+    if minimum is None:
+        return zero_points
+    if zero_points is None:
+        return minimum / scales
+    return zero_points + minimum / scales
+
+
 COMMON = {op_set.GATHER: Gather, op_set.ADD: Add, op_set.SPLIT: Split, op_set.LINEAR: Linear}

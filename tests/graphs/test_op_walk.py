@@ -199,6 +199,7 @@ def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
 def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     import mindspore as ms
 
+    from pagedgraph.exporter.mindspore.ascend_moe import ascend_expert_arrays, ascend_expert_block_arrays
     from pagedgraph.exporter.mindspore.ascend_ops import (MINDSPORE_ASCEND, ascend_block_arrays,
                                                            int8_cache_parameters)
     from pagedgraph.exporter.mindspore.builder import MindSporeTarget
@@ -216,7 +217,11 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     compute = cache_format(dtype).numpy_dtype
     inputs = [None if x is None else params[spec.name] if spec.name in params else
               x.astype(compute) if x.dtype == np.float32 else x for spec, x in zip(op.inputs, example.inputs)]
-    if op.variant == "block_quantized":  # the weight as the Ascend export writes it
+    if op.name == "GroupedMatmul" and op.variant == "block_quantized":  # the expert stack as the export writes it
+        inputs[1:5] = ascend_expert_block_arrays(*example.inputs[1:5], attrs.bits, attrs.block_size, compute)
+    elif op.name == "GroupedMatmul":
+        inputs[1] = ascend_expert_arrays(example.inputs[1], compute)
+    elif op.variant == "block_quantized":  # the weight as the Ascend export writes it
         first = 0 if op.name == "Gather" else 1
         inputs[first:first + 4] = ascend_block_arrays(*example.inputs[first:first + 4], attrs.bits, attrs.block_size,
                                                       dtype)
