@@ -3,7 +3,7 @@
 // function body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum, 8 for a
 // per-token quantize);
 // with oneDNN (PG_WITH_ONEDNN), Linear.bfloat16 too, whose body's Cast + Gemm would run ORT's float32 GEMM on
-// widened weights (ORT has no bf16 GEMM on x86).
+// widened weights (ORT has no bf16 GEMM on x86), and GroupedMatmul, whose body loops over the experts in ORT.
 //
 // ONNX Runtime prefers a registered kernel to a model-local function of the same domain and name, so
 // exported graphs keep their portable bodies and registering this library is a pure speed-up. Only the
@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "onnxruntime_c_api.h"
 #ifdef PG_WITH_ONEDNN
+#include "onednn_grouped_matmul.h"
 #include "onednn_linear.h"
 #endif
 
@@ -459,6 +460,34 @@ struct Linear {
     return kernel_status(pg_bf16_linear_run(linear, x.data, x.shape[0], weight.data, out, &runner));
   }
 };
+
+// GroupedMatmul (graphs/ops/grouped_matmul.py): each expert's rows of x [M, K] times its weight of the stack
+// [E, N, K], one oneDNN sgemm per group and column chunk (cpu_kernels/onednn_grouped_matmul.cc).
+struct GroupedMatmul {
+  static constexpr const char *name = "GroupedMatmul";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, F32, I64};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  int64_t group_list_type = 0;
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    return api->KernelInfoGetAttribute_int64(info, "group_list_type", &group_list_type);
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> x, weight;
+    Input<int64_t> group_list;
+    RETURN_IF_ERROR(get_inputs(context, x, weight, group_list));
+    RETURN_IF_ERROR(check_shape("weight", weight.shape, {-1, -1, -1}));
+    const int64_t experts = weight.shape[0], n = weight.shape[1], k = weight.shape[2];
+    RETURN_IF_ERROR(check_shape("x", x.shape, {-1, k}));
+    RETURN_IF_ERROR(check_shape("group_list", group_list.shape, {experts}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, {x.shape[0], n}, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_grouped_matmul(x.data, weight.data, group_list.data, group_list_type, out, x.shape[0], k,
+                                           n, experts, &runner));
+  }
+};
 #endif
 
 // How many leading inputs of `Kernel` are required: `Kernel::required` where it has optional trailing ones.
@@ -542,6 +571,7 @@ CustomOp<BlockMinimum> block_minimum_op;
 CustomOp<DynamicQuant> dynamic_quant_op;
 #ifdef PG_WITH_ONEDNN
 CustomOp<Linear> linear_op;
+CustomOp<GroupedMatmul> grouped_matmul_op;
 #endif
 
 }  // namespace
@@ -561,6 +591,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
                                     &swiglu_op, &block_minimum_op, &dynamic_quant_op};
 #ifdef PG_WITH_ONEDNN
   if (pg_bf16_linear_supported()) ops.push_back(&linear_op);  // else ORT runs Linear.bfloat16's function body
+  ops.push_back(&grouped_matmul_op);
 #endif
   for (OrtCustomOp *op : ops) {
     if (OrtStatus *status = api->CustomOpDomain_Add(domain, op)) {

@@ -33,6 +33,8 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
                                      ops.DYNAMIC_QUANT)},
     fallback="onnx")
 ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "cpu_kernels/onednn_linear.cc", onednn=True))
+ORT_CUSTOM_OPS.register(ops.GROUPED_MATMUL)(CustomKernel(ops.GROUPED_MATMUL, "cpu_kernels/onednn_grouped_matmul.cc",
+                                                         onednn=True))
 
 
 def bf16_linear_supported() -> bool:

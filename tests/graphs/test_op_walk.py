@@ -248,13 +248,14 @@ def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
 
 
 def _custom_op_library(op: Op, request: pytest.FixtureRequest) -> Path:
-    """The custom-op library; an op built only with oneDNN (Linear.bfloat16) also needs oneDNN's headers."""
+    """The custom-op library; an op built only with oneDNN (Linear.bfloat16, GroupedMatmul) also needs oneDNN's
+    headers."""
     from pagedgraph.cpu_kernels.ort_ops import ORT_CUSTOM_OPS, bf16_linear_supported
 
     if not ORT_CUSTOM_OPS.own(op).onednn:
         return request.getfixturevalue("custom_op_library")
     library = request.getfixturevalue("onednn_custom_op_library")
-    if not bf16_linear_supported():
+    if op.variant == "bfloat16" and not bf16_linear_supported():
         pytest.skip("oneDNN has no bfloat16 matmul on this CPU (it needs AVX-512 BF16 or AMX): the library leaves "
                     f"{op.key} to its ONNX body, checked by the onnx lowering's case")
     return library
