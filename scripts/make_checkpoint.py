@@ -3,6 +3,12 @@ memory are judged on at real sizes without downloading a model.
 
     python scripts/make_checkpoint.py --preset 7b --out /data/ckpt-7b      # LLaMA-2-7B's layout, 12.6 GiB
     python scripts/make_checkpoint.py --preset 1.1b --layers 4 --out DIR   # TinyLlama's widths, 4 layers
+    python scripts/make_checkpoint.py --preset olmoe --out DIR             # Qwen3-MoE at OLMoE-1B-7B's shape, 12.9 GiB
+
+`olmoe` is a Qwen3MoeForCausalLM (q/k norms, 64 experts of width 1024 per layer, top-8, softmax weights as OLMoE
+routes: norm_topk_prob false) with OLMoE-1B-7B's widths: 16 layers, hidden 2048, 16 heads, about 6.9B parameters in
+all and 1.3B read per token. Its experts are stored one tensor each, as transformers saves them
+(mlp.experts.<j>.gate_proj.weight ...), 3,072 expert tensors in all.
 
 The directory is what `save_pretrained` writes for a float16 model: config.json, the tokenizer files, and
 safetensors shards of at most `--shard-size` bytes (HF's default 5 GB) with model.safetensors.index.json. The
@@ -58,28 +64,51 @@ class Shape:
     max_position_embeddings: int
     rope_theta: float
     rms_norm_eps: float
+    moe: "Experts | None" = None
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A Qwen3-MoE model's sparse-layer fields (every layer sparse: decoder_sparse_step 1, no mlp_only_layers)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    head_dim: int
 
 
 PRESETS = {
     "135m": Shape(576, 1536, 30, 9, 3, True, 8192, 100000.0, 1e-5),  # SmolLM2-135M
     "1.1b": Shape(2048, 5632, 22, 32, 4, False, 2048, 10000.0, 1e-5),  # TinyLlama-1.1B
     "7b": Shape(4096, 11008, 32, 32, 32, False, 4096, 10000.0, 1e-5),  # LLaMA-2-7B
+    # OLMoE-1B-7B's widths as a Qwen3-MoE model (its intermediate_size only sizes dense layers, of which it has none)
+    "olmoe": Shape(2048, 1024, 16, 16, 16, False, 4096, 10000.0, 1e-5, Experts(64, 8, 1024, False, 128)),
 }
 
 
 def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, in HF's order (embedding, layers, final norm, LM head)."""
     hidden, inter = shape.hidden_size, shape.intermediate_size
-    head_dim = hidden // shape.num_attention_heads
-    kv = shape.num_key_value_heads * head_dim
+    head_dim = shape.moe.head_dim if shape.moe else hidden // shape.num_attention_heads
+    q, kv = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, hidden)}
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
-                   p + "post_attention_layernorm.weight": (hidden,)}
+        shapes |= {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
+        if shape.moe:
+            e, width = shape.moe.num_experts, shape.moe.moe_intermediate_size
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+                       p + "mlp.gate.weight": (e, hidden)}
+            for j in range(e):
+                x = f"{p}mlp.experts.{j}."
+                shapes |= {x + "gate_proj.weight": (width, hidden), x + "up_proj.weight": (width, hidden),
+                           x + "down_proj.weight": (hidden, width)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)}
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
     shapes["model.norm.weight"] = (hidden,)
     if not shape.tie_word_embeddings:
         shapes["lm_head.weight"] = (VOCAB, hidden)
@@ -137,10 +166,15 @@ def _write_shard(f: BinaryIO, group: dict[str, tuple[int, ...]], order: dict[str
 
 
 def _config(shape: Shape, bos: int | None, eos: tuple[int, ...]) -> dict[str, object]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16",
-            "vocab_size": VOCAB, "hidden_act": "silu", "initializer_range": INIT_STD, "attention_bias": False,
-            "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
-            **dataclasses.asdict(shape)}
+    fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "moe"}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16",
+              "vocab_size": VOCAB, "hidden_act": "silu", "initializer_range": INIT_STD, "attention_bias": False,
+              "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else list(eos), **fields}
+    if shape.moe:
+        del config["mlp_bias"]
+        config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], **dataclasses.asdict(shape.moe)}
+    return config
 
 
 def _write_tokenizer(out: Path) -> tuple[int | None, tuple[int, ...]]:

@@ -119,11 +119,13 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
 
 class FragmentBuilder(OnnxGraph):
     """A fragment of a model definition (one FFN, one layer) as a standalone ONNX model, for tests and
-    microbenchmarks: float32 inputs [rows, width] of symbolic rows, the weights inline as initializers."""
+    microbenchmarks: float32 inputs [rows, width] of symbolic rows, the weights inline as initializers, or with
+    `inline` False as graph inputs of their shapes (a caller binds them with SessionOptions.add_initializer:
+    weights larger than protobuf's 2 GiB, one copy shared by several sessions)."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, weights: Mapping[str, np.ndarray], inline: bool = True) -> None:
         super().__init__()
-        self._weights = weights
+        self._weights, self._inline = weights, inline
         self.inputs: dict[str, onnx.ValueInfoProto] = {}
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -136,8 +138,11 @@ class FragmentBuilder(OnnxGraph):
         return name
 
     def weight(self, name: str) -> str:
-        if name not in self.initializers:
-            self.initializers[name] = numpy_helper.from_array(self._weights[name], name)
+        w = self._weights[name]
+        if self._inline and name not in self.initializers:
+            self.initializers[name] = numpy_helper.from_array(w, name)
+        elif not self._inline:
+            self.inputs.setdefault(name, helper.make_tensor_value_info(name, onnx_type(w.dtype), list(w.shape)))
         return name
 
     def output(self, name: str, value: str) -> None:
