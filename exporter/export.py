@@ -37,18 +37,20 @@ from .onnx.slices import Slice, artifact_slices, carry, checkpoint_slices, graph
     slice_weights
 from .onnx.weights_file import StreamedWeights, WeightsFile
 from .progress import stage_bar
-from .quantize import quantize_weights, w8a8_int8
+from .quantize import quantize_weights
 from .resources import available_memory, check_resources, checkpoint_bytes, export_needs, graph_weight_params
 from .smoothquant import smooth
 from .tensor_parallel import ShardedWeights
 from .tokenizer_files import write_tokenizer
 from ..graphs import contract as c
-from ..graphs import llama
+from ..graphs import models
 from ..graphs.config import ModelConfig
 from ..graphs.contract import Gear
+from ..graphs.family import GraphOptions, Kind
 from ..graphs.kv_cache import CacheFormat, cache_format
 from ..graphs.quant import DenseForm, Weight
 from ..graphs.tensor_parallel import RankShard, check_size, rank_config, shards
+from ..graphs.weight_forms import WeightForms
 
 GRAPH = "graphs/model.onnx"
 WEIGHTS = "graphs/weights.bin"  # next to the graph: ONNX external data must stay inside the graph's folder
@@ -72,7 +74,7 @@ class OnnxWeights:
     stored bytes. The KV-cache variants, the baseline and the slices of calibration and checks reuse them."""
 
     initializers: dict[str, onnx.TensorProto]
-    forms: llama.WeightForms
+    forms: WeightForms
     nbytes: dict[str, int]
 
     def session_bytes(self, name: str) -> int:
@@ -303,7 +305,8 @@ def _quantized(checkpoint: Checkpoint, config: ExportConfig, log: TextIO) -> Che
         return checkpoint
     print(f"quantizing weights {config.model.quantization} (round to nearest"
           f"{f', groups of {config.model.group_size}' if config.model.quantization == 'w4a16' else ''}) ...", file=log)
-    tensors = quantize_weights(checkpoint.tensors, config.model.quantization, config.model.group_size)
+    tensors = quantize_weights(checkpoint.config, checkpoint.tensors, config.model.quantization,
+                               config.model.group_size)
     return dataclasses.replace(checkpoint, tensors=tensors)  # generation defaults and the rest kept
 
 
@@ -319,7 +322,7 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
     graph_path, weights_path = ((GRAPH, WEIGHTS) if shard is None else
                                 (rank_file(p, rank_folder(GRAPH, shard.rank)) for p in (GRAPH, WEIGHTS)))
     (out / graph_path).parent.mkdir(parents=True)
-    graph_weights: Mapping[str, Weight] = llama.graph_weights(model, checkpoint.tensors, max_positions, dtype)
+    graph_weights: Mapping[str, Weight] = models.graph_weights(model, checkpoint.tensors, max_positions, dtype)
     if shard is not None:
         graph_weights = ShardedWeights(graph_weights, model, shard)
     desc = "converting weights" + ("" if shard is None else f" (rank {shard.rank} of {size})")
@@ -327,12 +330,12 @@ def _write_onnx(checkpoint: Checkpoint, max_positions: int, block_size: int, acc
         store = StreamedWeights(graph_sources(model), graph_weights.__getitem__, weights,
                                 lambda name: bar.update(params[name]))
         builder = OnnxBuilder(rank_config(model, size), store.initializer, dtype)  # pools of the compute dtype
-        llama.build(builder, model, block_size, llama.WeightForms(store.forms, accuracy_level), dtype,
-                    tensor_parallel_size=size)
+        models.build(builder, model, GraphOptions(block_size, WeightForms(store.forms, accuracy_level), dtype,
+                                                  tensor_parallel_size=size))
         graph = builder.model("pagedgraph")
     onnx.save_model(graph, out / graph_path)
     onnx.checker.check_model(out / graph_path, full_check=True)
-    return OnnxWeights(store.written, llama.WeightForms(store.known_forms(), accuracy_level), store.nbytes)
+    return OnnxWeights(store.written, WeightForms(store.known_forms(), accuracy_level), store.nbytes)
 
 
 class CalibrationSource:
@@ -411,8 +414,8 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
     options = config.export
     if config.model.quantization != "w8a8" or options.target != "ascend" or "mindir" not in options.formats:
         return checkpoint, {}
-    linears = [name for name, sources in llama.graph_weight_sources(raw.config).items()
-               if all(w8a8_int8(s) for s in sources)]
+    linears = [name for name, w in models.weight_table(raw.config).items()
+               if w.role.kind is Kind.LINEAR and w.role.int8_activations]
     windows = calibration.windows(gears[c.PREFILL])
     with _calibration_bar(log, calibration.groups, windows, "W8A8 input scales") as bar:
         ranges = linear_input_ranges(calibration.float32_slices(), raw.config, gears[c.PREFILL], options.block_size,
@@ -420,7 +423,7 @@ def _w8a8_static(raw: Checkpoint, checkpoint: Checkpoint, config: ExportConfig, 
     print(f"calibrated W8A8 static input scales of {len(ranges)} linears {calibration.describe(windows)}; "
           f"SmoothQuant alpha {options.w8a8_smoothing}", file=log)
     if options.w8a8_smoothing is not None:  # the smoothed weights are quantized again; unsmoothed, `checkpoint` is
-        smoothed, ranges = smooth(raw.tensors, raw.config.num_layers, ranges, options.w8a8_smoothing)
+        smoothed, ranges = smooth(raw.config, raw.tensors, ranges, options.w8a8_smoothing)
         checkpoint = _quantized(dataclasses.replace(raw, tensors=smoothed), config, log)
     return checkpoint, {name: static_input_params(*ranges[name]) for name in linears}
 
@@ -439,7 +442,7 @@ def _write_kv_variants(model: ModelConfig, config: ExportConfig, written: OnnxWe
     for kv_cache_dtype in [d for d in options.kv_cache_dtypes if d != config.model.dtype]:
         own = _scale_initializers(scales) if cache_format(kv_cache_dtype).quantized else {}
         builder = OnnxBuilder(model, {**written.initializers, **own}.__getitem__, kv_cache_dtype)
-        llama.build(builder, model, options.block_size, written.forms, kv_cache_dtype)
+        models.build(builder, model, GraphOptions(options.block_size, written.forms, kv_cache_dtype))
         path = out / kv_variant(GRAPH, kv_cache_dtype, config.model.dtype)
         onnx.save_model(builder.model("pagedgraph"), path)
         onnx.checker.check_model(path, full_check=True)

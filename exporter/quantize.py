@@ -1,8 +1,9 @@
 """Round-to-nearest weight quantization (export `quantization: w8a16 | w4a16 | w8a8`).
 
-w8a16 / w4a16 give `BlockQuantized` (MatMulNBits); w8a8 gives q/k/v, o_proj and gate/up as `Int8PerChannel`
-(Linear.w8a8: activations quantized per token in the graph) and keeps down_proj and the embedding / tied LM head
-in the w8a16 form: down_proj's inputs (the SwiGLU products) carry the outlier channels, and per-token int8 there
+Which tensors are quantized, and how, follows each one's role in its family (graphs/family.py): every linear and the
+embedding tables. w8a16 / w4a16 give `BlockQuantized` (MatMulNBits); w8a8 gives the linears whose role takes int8
+activations (q/k/v, o_proj and gate/up) as `Int8PerChannel` (Linear.w8a8: activations quantized per token in the
+graph) and keeps down_proj and the embedding / tied LM head in the w8a16 form: down_proj's inputs (the SwiGLU products) carry the outlier channels, and per-token int8 there
 alone moved held-out perplexity from 1.015x to 1.033x fp32 (docs/performance.md); MatMulNBits at
 export.accuracy_level 4 still computes it in int8, with a scale per block of 32 inputs.
 
@@ -18,14 +19,13 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from ..graphs import models
+from ..graphs.config import ModelConfig
+from ..graphs.family import Kind, Role
 from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight, row_chunks
 
 # MatMulNBits' MLAS kernels take blocks of 16..256 (powers of two).
 BLOCK_SIZES = (256, 128, 64, 32, 16)
-
-# Tensors quantized: every linear of the layers, and the embedding (the tied LM head reads it too).
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def _row_block(k: int) -> int:
@@ -83,35 +83,27 @@ def int4_groupwise(w: np.ndarray, group_size: int) -> BlockQuantized:
                           f"rtn-int4-g{group_size}")
 
 
-def w8a8_int8(name: str) -> bool:
-    """Whether w8a8 makes checkpoint tensor `name` an `Int8PerChannel` (every linear of the layers but down_proj)."""
-    return _is_linear(name) and ".mlp.down_proj." not in name
-
-
-def _is_linear(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{part}." in name for part in _LINEARS)
-
-
-def quantize_tensor(name: str, w: Weight, quantization: str, group_size: int) -> Weight:
-    """One canonical checkpoint tensor in its quantized form (see `quantize_weights`)."""
+def quantize_tensor(role: Role, w: Weight, quantization: str, group_size: int) -> Weight:
+    """One checkpoint tensor of `role` in its quantized form (see `quantize_weights`)."""
     dense = np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32)
-    if _is_linear(name):
-        if quantization == "w8a8":
-            return Int8PerChannel.quantize(dense) if w8a8_int8(name) else int8_per_channel(dense)
-        return int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if not role.kind.matrix:
+        return dense
+    if role.kind is not Kind.LINEAR:  # the embedding tables
         return int8_per_channel(dense)
-    return dense
+    if quantization == "w8a8":
+        return Int8PerChannel.quantize(dense) if role.int8_activations else int8_per_channel(dense)
+    return int8_per_channel(dense) if quantization == "w8a16" else int4_groupwise(dense, group_size)
 
 
 class QuantizedTensors(Mapping[str, Weight]):
     """Checkpoint tensors quantized when read (`quantize_tensor`), one at a time: nothing is kept."""
 
-    def __init__(self, tensors: Mapping[str, Weight], quantization: str, group_size: int) -> None:
-        self._tensors, self._quantization, self._group_size = tensors, quantization, group_size
+    def __init__(self, roles: Mapping[str, Role], tensors: Mapping[str, Weight], quantization: str,
+                 group_size: int) -> None:
+        self._roles, self._tensors, self._quantization, self._group_size = roles, tensors, quantization, group_size
 
     def __getitem__(self, name: str) -> Weight:
-        return quantize_tensor(name, self._tensors[name], self._quantization, self._group_size)
+        return quantize_tensor(self._roles[name], self._tensors[name], self._quantization, self._group_size)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -120,10 +112,12 @@ class QuantizedTensors(Mapping[str, Weight]):
         return len(self._tensors)
 
 
-def quantize_weights(tensors: Mapping[str, Weight], quantization: str, group_size: int) -> QuantizedTensors:
-    """Canonical checkpoint tensors with every linear (and the embedding) quantized round-to-nearest, each when read.
+def quantize_weights(config: ModelConfig, tensors: Mapping[str, Weight], quantization: str,
+                     group_size: int) -> QuantizedTensors:
+    """`config`'s checkpoint tensors with every linear (and the embedding) quantized round-to-nearest, each when read.
 
     w4a16 keeps the embedding / tied LM head at int8 per channel: it is read for every token's logits,
     and at 4 bits it costs the most perplexity for the least size (measured in docs/performance.md).
     """
-    return QuantizedTensors(tensors, quantization, group_size)
+    roles = {name: w.role for name, w in models.source_weights(config).items()}
+    return QuantizedTensors(roles, tensors, quantization, group_size)

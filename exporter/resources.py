@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .checkpoint.base import expected_shapes
 from .buckets import plan_gears
 from .config import ExportConfig
-from .onnx.slices import SLICE_BYTES, graph_sources
-from ..graphs import llama
+from .onnx.slices import SLICE_BYTES
+from ..graphs import models
 from ..graphs.config import ModelConfig
+from ..graphs.family import Kind
 from ..graphs.kv_cache import cache_format
 
 GiB = 1 << 30
@@ -46,17 +46,17 @@ class Needs:
 
 def graph_weight_params(model: ModelConfig, max_positions: int) -> dict[str, int]:
     """Elements of each graph weight (its checkpoint tensors', or the rope tables')."""
-    shapes = expected_shapes(model)
     rope = max_positions * model.head_dim
-    return {name: sum(math.prod(shapes[s]) for s in sources) if sources else rope
-            for name, sources in graph_sources(model).items()}
+    return {name: sum(math.prod(s.shape) for s in w.sources) if w.role.kind is not Kind.TABLE else rope
+            for name, w in models.weight_table(model).items()}
 
 
 def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int) -> Needs:
     """Upper estimates for exporting `model` with `config` from a checkpoint of `checkpoint_bytes` on disk."""
     options, quantization = config.export, config.model.quantization
-    params = graph_weight_params(model, options.max_model_len)
-    stored = {name: _stored_bytes(name, n, quantization, config.model.dtype) for name, n in params.items()}
+    params, table = graph_weight_params(model, options.max_model_len), models.weight_table(model)
+    stored = {name: _stored_bytes(table[name].role.kind, n, quantization, config.model.dtype)
+              for name, n in params.items()}
     if quantization in ("gguf", "gptq", "awq"):
         artifact = int(checkpoint_bytes * _PREQUANTIZED_GROWTH)
     else:
@@ -66,8 +66,7 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
         artifact += artifact + GRAPH_MARGIN * len(options.kv_cache_dtypes)
     float32 = {name: 4 * n for name, n in params.items()}
     needs_float32 = _calibrates_in_float32(config)
-    converting = max(size * (2 if len(sources) > 1 else 1.5) for (name, size), sources
-                     in zip(float32.items(), graph_sources(model).values()))
+    converting = max(size * (2 if len(table[name].sources) > 1 else 1.5) for name, size in float32.items())
     tokens = max(g.tokens for family in plan_gears(model, options).values() for g in family)
     activations = 16 * tokens * max(model.intermediate_size, model.hidden_size)
     # a bfloat16 graph's slices hold their linears widened to float32 (OnnxWeights.session_bytes)
@@ -89,11 +88,10 @@ def _largest_slice(model: ModelConfig, nbytes: Mapping[str, int]) -> int:
     return min(max(SLICE_BYTES, layer + ends), sum(nbytes.values()))
 
 
-def _stored_bytes(name: str, params: int, quantization: str, dtype: str) -> int:
-    tail = name.rsplit(".", 1)[-1]
-    if tail in llama.BF16_WEIGHTS and quantization in _BYTES_PER_WEIGHT:
+def _stored_bytes(kind: Kind, params: int, quantization: str, dtype: str) -> int:
+    if kind.matrix and quantization in _BYTES_PER_WEIGHT:
         return int(params * _BYTES_PER_WEIGHT[quantization])
-    if tail in llama.BF16_WEIGHTS and dtype == "bfloat16":
+    if kind.matrix and dtype == "bfloat16":
         return 2 * params
     return 4 * params
 

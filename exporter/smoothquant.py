@@ -12,35 +12,35 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from ..graphs import models
+from ..graphs.config import ModelConfig
+from ..graphs.family import GraphWeight
 from ..graphs.quant import Weight
 
-# The linears an RmsNorm feeds (graph name -> (norm weight, the weights sharing its input)), per layer.
-_FED_BY_NORM = {"qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))}
 
-
-def smooth(tensors: Mapping[str, Weight], num_layers: int,
-           ranges: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float
-           ) -> tuple["SmoothedTensors", dict[str, tuple[np.ndarray, np.ndarray]]]:
+def smooth(config: ModelConfig, tensors: Mapping[str, Weight], ranges: Mapping[str, tuple[np.ndarray, np.ndarray]],
+           alpha: float) -> tuple["SmoothedTensors", dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Float checkpoint tensors with every norm-fed linear's input smoothed (applied as each tensor is read; the
     factors come from one pass over the linears, one tensor at a time), and the input ranges (`ranges`: graph
-    linear name -> per-channel [min, max]) as they become."""
+    linear name -> per-channel [min, max]) as they become. The linears an RmsNorm feeds are those whose graph
+    weight names it as `fed_by` (graphs/family.py); linears sharing a norm share its factors."""
+    table = models.weight_table(config)
+    fed: dict[str, list[GraphWeight]] = {}
+    for w in table.values():
+        if w.fed_by is not None and w.name in ranges:
+            fed.setdefault(w.fed_by, []).append(w)
     factors: dict[str, tuple[bool, np.ndarray]] = {}  # tensor -> (divided, s)
     moved = dict(ranges)
-    for i in range(num_layers):
-        for linear, (norm, parts) in _FED_BY_NORM.items():
-            name = f"layers.{i}.{linear}"
-            if name not in ranges:
-                continue
-            low, high = ranges[name]
-            weights = [f"model.layers.{i}.{part}.weight" for part in parts]
-            activation = np.maximum(np.abs(low), np.abs(high)).astype(np.float64)
-            weight = np.max([np.abs(np.asarray(tensors[w], np.float64)).max(axis=0) for w in weights], axis=0)
-            s = np.where((activation > 0) & (weight > 0),
-                         activation ** alpha / np.maximum(weight, 1e-8) ** (1 - alpha), 1.0)
-            factors[f"model.layers.{i}.{norm}.weight"] = (True, s)
-            factors.update({w: (False, s) for w in weights})
-            moved[name] = ((low / s).astype(np.float32), (high / s).astype(np.float32))
+    for norm, linears in fed.items():
+        low, high = ranges[linears[0].name]  # one input, one range
+        parts = [source.name for w in linears for source in w.sources]
+        activation = np.maximum(np.abs(low), np.abs(high)).astype(np.float64)
+        weight = np.max([np.abs(np.asarray(tensors[p], np.float64)).max(axis=0) for p in parts], axis=0)
+        s = np.where((activation > 0) & (weight > 0), activation ** alpha / np.maximum(weight, 1e-8) ** (1 - alpha),
+                     1.0)
+        factors[table[norm].sources[0].name] = (True, s)
+        factors.update({p: (False, s) for p in parts})
+        moved.update({w.name: ((low / s).astype(np.float32), (high / s).astype(np.float32)) for w in linears})
     return SmoothedTensors(tensors, factors), moved
 
 

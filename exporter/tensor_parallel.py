@@ -11,61 +11,57 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from ..graphs import models
 from ..graphs.config import ModelConfig
+from ..graphs.family import GraphWeight, Split
 from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
 from ..graphs.tensor_parallel import FIELD, RankShard, TensorParallelError
 from .quantize import BLOCK_SIZES
 
-COLUMN_PARALLEL = ("qkv", "qkv_bias", "gate_up")  # rank r keeps some output rows
-ROW_PARALLEL = ("o_proj", "down")  # rank r keeps some input columns; its output is a partial sum
-
-
-def kind(name: str) -> str:
-    """How graph weight `name` is split over the ranks: "column", "row" or "replicated"."""
-    last = name.rsplit(".", 1)[-1]
-    return "column" if last in COLUMN_PARALLEL else "row" if last in ROW_PARALLEL else "replicated"
+COLUMN_PARALLEL = (Split.QKV_ROWS, Split.HALVES_ROWS)  # rank r keeps some output rows
+ROW_PARALLEL = (Split.HEAD_COLUMNS, Split.CHANNEL_COLUMNS)  # rank r keeps some input columns: a partial sum
 
 
 def _span(start: int, stop: int, width: int, offset: int = 0) -> np.ndarray:
     return np.arange(offset + start * width, offset + stop * width)
 
 
-def rank_rows(config: ModelConfig, name: str, shard: RankShard) -> np.ndarray:
-    """The output rows of column-parallel weight `name` that `shard` keeps: its query heads, then its K and V
-    heads (fused QKV); its gate channels, then its up channels (fused gate/up)."""
+def rank_rows(config: ModelConfig, split: Split, shard: RankShard) -> np.ndarray:
+    """The output rows of a column-parallel weight that `shard` keeps: its query heads, then its K and V heads
+    (fused QKV); its gate channels, then its up channels (fused gate/up)."""
     d = config.head_dim
-    if name.rsplit(".", 1)[-1] == "gate_up":
+    if split is Split.HALVES_ROWS:
         return np.concatenate([_span(*shard.intermediate, 1), _span(*shard.intermediate, 1, config.intermediate_size)])
     return np.concatenate([_span(*shard.heads, d), _span(*shard.kv_heads, d, config.q_size),
                            _span(*shard.kv_heads, d, config.q_size + config.kv_size)])
 
 
-def rank_columns(config: ModelConfig, name: str, shard: RankShard) -> slice:
-    """The input columns of row-parallel weight `name` that `shard` keeps: its heads' (o_proj), its channels'
-    (down)."""
-    start, stop = shard.intermediate if name.rsplit(".", 1)[-1] == "down" else (
+def rank_columns(config: ModelConfig, split: Split, shard: RankShard) -> slice:
+    """The input columns of a row-parallel weight that `shard` keeps: its heads' (o_proj), its channels' (down)."""
+    start, stop = shard.intermediate if split is Split.CHANNEL_COLUMNS else (
         shard.heads[0] * config.head_dim, shard.heads[1] * config.head_dim)
     return slice(start, stop)
 
 
-def shard_weight(config: ModelConfig, name: str, w: Weight, shard: RankShard) -> Weight:
-    """Graph weight `name` as rank `shard` holds it."""
-    how = kind(name)
-    if how == "column":
-        return _rows(w, rank_rows(config, name, shard))
-    if how == "row":
-        return _columns(w, rank_columns(config, name, shard), name)
+def shard_weight(config: ModelConfig, spec: GraphWeight, w: Weight, shard: RankShard) -> Weight:
+    """Graph weight `w` (declared by `spec`) as rank `shard` holds it."""
+    split = spec.role.split
+    if split in COLUMN_PARALLEL:
+        return _rows(w, rank_rows(config, split, shard))
+    if split in ROW_PARALLEL:
+        return _columns(w, rank_columns(config, split, shard), spec.name)
     return w
 
 
 class ShardedWeights(Mapping[str, Weight]):
-    """Graph weights (llama.graph_weights) as rank `shard` holds them, each cut when read."""
+    """Graph weights (graphs/models.graph_weights) as rank `shard` holds them, each cut when read."""
 
     def __init__(self, weights: Mapping[str, Weight], config: ModelConfig, shard: RankShard) -> None:
         self._weights, self._config, self._shard = weights, config, shard
+        self._table = models.weight_table(config)
 
     def __getitem__(self, name: str) -> Weight:
-        return shard_weight(self._config, name, self._weights[name], self._shard)
+        return shard_weight(self._config, self._table[name], self._weights[name], self._shard)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._weights)

@@ -4,9 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-
 @dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
@@ -19,6 +16,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model's dims and flags; `architecture` names its family (graphs/models)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -37,10 +36,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -17,7 +17,7 @@ CONTEXT_LENS = "context_lens"
 CU_SEQLENS_Q = "cu_seqlens_q"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
-# A slice of the model (graphs/llama.build `layers`; export-time calibration and checks only, never served): the
+# A slice of the model (graphs/decoder.py's `layers`; export-time calibration and checks only, never served): the
 # residual stream and its normed copy (the next layer's input norm applied), float32 [T, hidden], in and out.
 SLICE_INPUTS = ("hidden_in", "normed_in")
 SLICE_OUTPUTS = ("hidden_out", "normed_out")

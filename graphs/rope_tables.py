@@ -7,6 +7,8 @@ import numpy as np
 
 from .config import ModelConfig, RopeScaling
 
+ROPE_TABLES = ("rope_cos", "rope_sin")  # their graph weights
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))

@@ -23,10 +23,13 @@ from pagedgraph.exporter.checkpoint import read_checkpoint
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import _quantized, _w8a8_static
 from pagedgraph.graphs import contract as c
-from pagedgraph.graphs import llama, ops, quant
+from pagedgraph.graphs import models, ops, quant
 from pagedgraph.graphs.contract import Gear
+from pagedgraph.graphs.family import GraphOptions
 from pagedgraph.graphs.ops.linear_w8a8_static import deq_scale_values, mindie_tensors
 from pagedgraph.graphs.reference import NumpyBuilder
+from pagedgraph.graphs.weight_forms import WeightForms
+from pagedgraph.graphs.weights import graph_arrays
 from pagedgraph.runtime.perplexity import plan_windows
 from pagedgraph.texts import shipped_text
 
@@ -44,7 +47,7 @@ class ExactW8A8(NumpyBuilder):
         return ((codes @ weight.astype(np.float64).T + quant_bias) * deq_scale_values(deq_scale)).astype(np.float32)
 
 
-def static_form(raw: Any, alpha: str, context: int) -> tuple[dict[str, np.ndarray], llama.WeightForms]:
+def static_form(raw: Any, alpha: str, context: int) -> tuple[dict[str, np.ndarray], WeightForms]:
     """The graph arrays and forms of the Ascend w8a8 export at SmoothQuant `alpha` ("none": no migration)."""
     config = ExportConfig.model_validate({
         "model": {"quantization": "w8a8", "dtype": "float16"},
@@ -53,14 +56,14 @@ def static_form(raw: Any, alpha: str, context: int) -> tuple[dict[str, np.ndarra
                    "buckets": {"prefill_tokens": [context], "decode_batch": [1], "prefill_max_seqs": 1}}})
     quantized, static = _w8a8_static(raw, _quantized(raw, config, sys.stderr), config,
                                      plan_gears(raw.config, config.export), shipped_text("calibration"), sys.stderr)
-    weights = llama.graph_weights(raw.config, quantized.tensors, context)
-    arrays = llama.graph_arrays({k: w for k, w in weights.items() if not isinstance(w, quant.Int8PerChannel)})
+    weights = models.graph_weights(raw.config, quantized.tensors, context)
+    arrays = graph_arrays({k: w for k, w in weights.items() if not isinstance(w, quant.Int8PerChannel)})
     for name, (scale, offset) in static.items():  # MindIE's tensors (float32 deq_scale: the bfloat16 model's)
         arrays.update(zip(quant.w8a8_static_parts(name), mindie_tensors(weights[name], None, scale, offset, False)))
-    return arrays, llama.WeightForms.of(weights, 0, static)
+    return arrays, WeightForms.of(weights, 0, static)
 
 
-def perplexity(config: Any, weights: dict[str, np.ndarray], forms: llama.WeightForms, tokens: list[int],
+def perplexity(config: Any, weights: dict[str, np.ndarray], forms: WeightForms, tokens: list[int],
                context: int) -> tuple[float, int]:
     """Windows of `context` tokens, each prefilled alone; every position's logits score the next token."""
     gear = Gear(context, context, context // BLOCK)
@@ -77,7 +80,7 @@ def perplexity(config: Any, weights: dict[str, np.ndarray], forms: llama.WeightF
         for name in c.cache_names(config.num_layers):
             feed[name] = np.zeros(((gear.blocks + 1) * BLOCK, config.kv_size), np.float32)
         builder = ExactW8A8(feed, weights)
-        llama.build(builder, config, BLOCK, forms)
+        models.build(builder, config, GraphOptions(BLOCK, forms))
         logits = builder.outputs[c.LOGITS][:n].astype(np.float64)
         logp = logits - logits.max(1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(1, keepdims=True))
@@ -94,7 +97,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     raw = read_checkpoint("default")
-    forms = {"float32": (llama.graph_weights(raw.config, raw.tensors, args.context), llama.WeightForms())}
+    forms = {"float32": (models.graph_weights(raw.config, raw.tensors, args.context), WeightForms())}
     forms.update({f"w8a8_static alpha={a}": static_form(raw, a, args.context) for a in args.alpha})
     tokenizer = Tokenizer.from_str(raw.tokenizer.tokenizer_json)
     tokens = tokenizer.encode(shipped_text("heldout"), add_special_tokens=False).ids

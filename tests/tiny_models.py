@@ -60,7 +60,8 @@ def make_tiny_hf_checkpoint(
     shard: bool = False,
     dims: dict[str, int] | None = None,
 ) -> Path:
-    """Save a 2-layer GQA model (arch "llama" | "mistral" | "qwen2") plus tokenizer files.
+    """Save a 2-layer GQA model of a registered family (`arch`: its name; transformers' class for it is the family's
+    first HF class) plus tokenizer files.
 
     Norm weights and biases are randomised too (HF initialises them to 1 and 0), so a reader
     or graph that drops or swaps them fails a comparison instead of passing by accident.
@@ -70,12 +71,10 @@ def make_tiny_hf_checkpoint(
     import torch
     import transformers
 
-    config_classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }
-    config_cls, model_cls = config_classes[arch]
+    from pagedgraph.graphs import models
+
+    model_cls = getattr(transformers, models.family(arch).hf_classes[0])
+    config_cls = model_cls.config_class
     extra: dict[str, Any] = {"sliding_window": None} if arch == "mistral" else {}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
@@ -84,6 +83,7 @@ def make_tiny_hf_checkpoint(
         tie_word_embeddings=tie,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
+        pad_token_id=None,  # some configs default to an id past the tiny vocabulary
         initializer_range=0.1,
         **extra,
     )

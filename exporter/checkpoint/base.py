@@ -43,17 +43,11 @@ class LazyTensors(Mapping[str, Weight]):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Weights under canonical HF LLaMA names, [out, in] for linear layers (read on access: `LazyTensors`): float32
-    numpy, or
-    `BlockQuantized` where a GGUF was read with its blocks kept (export `quantization: gguf`) or an HF
-    checkpoint was quantized with GPTQ / AWQ (always kept: `quantization`).
-
-    Canonical names: `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`
-    (absent when tied), and per layer i `model.layers.{i}.input_layernorm.weight`,
-    `.self_attn.{q,k,v,o}_proj.weight`, `.self_attn.{q,k,v}_proj.bias` (Qwen2),
-    `.post_attention_layernorm.weight`, `.mlp.{gate,up,down}_proj.weight`.
-    Q/K projections are in HF's rotate-half layout (GGUF's interleaved layout is undone by the reader).
-    """
+    """Weights under the Hugging Face names the model's family declares (graphs/models: `checkpoint_shapes`),
+    [out, in] for linear layers (read on access: `LazyTensors`): float32 numpy, or `BlockQuantized` where a GGUF
+    was read with its blocks kept (export `quantization: gguf`) or an HF checkpoint was quantized with GPTQ / AWQ
+    (always kept: `quantization`). Q/K projections are in HF's rotate-half layout (GGUF's interleaved layout is
+    undone by the reader)."""
 
     config: ModelConfig
     tensors: Mapping[str, Weight]
@@ -64,33 +58,3 @@ class Checkpoint:
     generation_source: str = ""  # where generation_defaults came from, recorded in the manifest
     # The checkpoint's own quantization, read as it is: "gptq" / "awq" (HF quantization_config), else "none".
     quantization: str = "none"
-
-
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor this config implies, with its [out, in] shape."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (c.hidden_size,),
-            f"{p}.self_attn.q_proj.weight": (c.q_size, c.hidden_size),
-            f"{p}.self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
-            f"{p}.self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
-            f"{p}.self_attn.o_proj.weight": (c.hidden_size, c.q_size),
-            f"{p}.post_attention_layernorm.weight": (c.hidden_size,),
-            f"{p}.mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{p}.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{p}.mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        }
-        if c.attention_bias:
-            shapes |= {
-                f"{p}.self_attn.q_proj.bias": (c.q_size,),
-                f"{p}.self_attn.k_proj.bias": (c.kv_size,),
-                f"{p}.self_attn.v_proj.bias": (c.kv_size,),
-            }
-    return shapes

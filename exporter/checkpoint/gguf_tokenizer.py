@@ -3,15 +3,15 @@
 A GGUF file carries no `tokenizer.json`, only llama.cpp's `tokenizer.ggml.*` keys. For byte-level
 BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) those keys are enough to rebuild the tokenizer
 transformers builds from the same file, token for token: BPE over the vocabulary and merges in file
-order, the plain GPT-2 split regex, a ByteLevel decoder, and the CONTROL tokens as special added
-tokens. transformers is the reference; llama.cpp differs for `pre = smollm` where 2+ spaces precede
-a digit (it splits digits first).
+order, the plain GPT-2 split regex (or the split regex of the vocabulary's `pre`, as Qwen's), a ByteLevel
+decoder, and the CONTROL tokens as special added tokens. transformers is the reference; llama.cpp differs for
+`pre = smollm` where 2+ spaces precede a digit (it splits digits first).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .base import CheckpointError, TokenizerSpec
 
@@ -20,9 +20,14 @@ from .base import CheckpointError, TokenizerSpec
 _CONTROL = 3
 _USER_DEFINED = 4
 
-# `tokenizer.ggml.pre` values whose split regex is the plain GPT-2 one in transformers. Other values
-# (llama-bpe, qwen2, tekken, ...) need their own regex; refusing them beats tokenizing wrongly.
+# `tokenizer.ggml.pre` values whose split regex is the plain GPT-2 one in transformers, and those with their own
+# (Qwen2's tokenizer, which Qwen2.5 and Qwen3 share). Other values (llama-bpe, tekken, ...) need their own regex;
+# refusing them beats tokenizing wrongly.
 _GPT2_REGEX_PRE = (None, "gpt-2", "smollm")
+_SPLIT_REGEX_PRE = {
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+             r"""|\s*[\r\n]+|\s+(?!\S)|\s+""",
+}
 
 
 def build_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokenizer:
@@ -34,11 +39,11 @@ def build_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokenizer:
             "are supported. Export from the model's HF directory instead (it carries tokenizer.json)."
         )
     pre = metadata.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_REGEX_PRE:
+    if pre not in _GPT2_REGEX_PRE and pre not in _SPLIT_REGEX_PRE:
+        supported = [p for p in _GPT2_REGEX_PRE if p] + list(_SPLIT_REGEX_PRE)
         raise CheckpointError(
-            f"{source}: tokenizer.ggml.pre is {pre!r}, whose split regex is not the GPT-2 one this reader "
-            f"rebuilds (supported: {', '.join(p for p in _GPT2_REGEX_PRE if p)}). Export from the model's "
-            "HF directory instead (it carries tokenizer.json)."
+            f"{source}: tokenizer.ggml.pre is {pre!r}, whose split regex this reader does not rebuild (supported: "
+            f"{', '.join(supported)}). Export from the model's HF directory instead (it carries tokenizer.json)."
         )
     tokens: list[str] = _require(metadata, "tokenizer.ggml.tokens", source)
     merges: list[str] = _require(metadata, "tokenizer.ggml.merges", source)
@@ -50,7 +55,10 @@ def build_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     tokenizer = Tokenizer(
         models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, byte_fallback=False)
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) \
+        if pre not in _SPLIT_REGEX_PRE else pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLIT_REGEX_PRE[pre]), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t == _CONTROL]

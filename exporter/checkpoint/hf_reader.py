@@ -2,7 +2,8 @@
 
 Everything the exporter needs is checked here, before any graph is built, so a checkpoint
 we cannot run faithfully (sliding-window attention, unsupported rope scaling, extra
-weights) fails with a message naming the file, the field and the fix.
+weights) fails with a message naming the file, the field and the fix. The model's family
+(graphs/models, found by config.json's `architectures`) reads its fields and names its tensors.
 """
 from __future__ import annotations
 
@@ -18,16 +19,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from .base import Checkpoint, CheckpointError, LazyTensors, TokenizerSpec, expected_shapes
+from .base import Checkpoint, CheckpointError, LazyTensors, TokenizerSpec
 from .hf_quantized import PackedFormat, packed_format
-from ...graphs.config import ModelConfig, RopeScaling
+from ...graphs import models
+from ...graphs.config import ModelConfig
 from ...graphs.quant import Weight
-
-HF_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 # Buffers some exporters saved alongside the weights; recomputed from rope_theta by the graph.
 _IGNORED_TENSOR = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
@@ -39,7 +35,7 @@ _REDOWNLOAD = "re-download it (if it is a Git LFS pointer, run `git lfs pull`)"
 
 
 def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read a LLaMA/Mistral/Qwen2 HF directory into float32 tensors under canonical names; a GPTQ or AWQ
+    """Read an HF directory of a registered family (graphs/models) into float32 tensors under its names; a GPTQ or AWQ
     checkpoint's linears stay in their own blocks (`BlockQuantized`, Checkpoint.quantization says which)."""
     root = Path(path)
     if not root.is_dir():
@@ -94,122 +90,15 @@ def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
     return data
 
 
-def _int_field(hf: dict[str, Any], name: str) -> int:
-    """A required integer from config.json."""
-    value = hf.get(name)
-    if value is None:
-        raise CheckpointError(f"config.json: missing field {name!r}; add it from the model's original config.json")
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise CheckpointError(f"config.json: field {name!r} must be an integer, got {value!r}")
-    return value
-
-
 # --- config ---------------------------------------------------------------------------------
 
 
-def _architecture(hf: dict[str, Any]) -> str:
-    declared = hf.get("architectures") or []
-    for name in declared:
-        if name in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[name]
-    raise CheckpointError(
-        f"config.json: architectures {declared!r} not supported; supported Hugging Face classes: "
-        f"{', '.join(HF_ARCHITECTURES)}"
-    )
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """rope_theta and llama3 scaling from either layout.
-
-    transformers < 5 writes `rope_theta` plus `rope_scaling`; transformers >= 5 writes one
-    `rope_parameters` dict holding `rope_theta` and the scaling fields.
-    """
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise CheckpointError(
-            f"config.json: rope scaling type {rope_type!r} is not supported: the Rope op implements "
-            "only plain RoPE and llama3 frequency scaling, so positions would be encoded differently "
-            "than in training; use a checkpoint without this rope scaling"
-        )
-    missing = [
-        key
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if key not in params
-    ]
-    if missing:
-        raise CheckpointError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}; add them to rope_scaling")
-    scaling = RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
-    return float(theta), scaling
-
-
-def _check_supported(hf: dict[str, Any], arch: str, max_positions: int) -> None:
-    """Reject features the graphs do not implement rather than export a subtly wrong model."""
-    if arch == "qwen2":
-        sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
-    else:
-        sliding = True  # Mistral always applies sliding_window when set; Llama has none.
-    window = hf.get("sliding_window")
-    if sliding and window is not None and window < max_positions:
-        raise CheckpointError(
-            f"config.json: sliding_window={window} < max_position_embeddings={max_positions}: "
-            "sliding-window attention is not supported (PagedAttention attends over the whole "
-            f"context, so outputs past {window} tokens would differ); to export anyway, cap the "
-            f"context by setting max_position_embeddings to {window} in config.json"
-        )
-    if arch != "qwen2" and hf.get("attention_bias"):
-        raise CheckpointError(
-            "config.json: attention_bias=true adds an o_proj bias, which the graphs do not implement "
-            "(only Qwen2's q/k/v biases are supported)"
-        )
-    if hf.get("mlp_bias"):
-        raise CheckpointError("config.json: mlp_bias=true is not supported (the MLP is bias-free SwiGLU)")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"config.json: hidden_act={act!r} is not supported; the MLP is SwiGLU (silu)")
-
-
 def _model_config(hf: dict[str, Any]) -> ModelConfig:
-    """Dims, rope and flags from config.json; token ids are filled in from the tokenizer files."""
-    arch = _architecture(hf)
-    hidden = _int_field(hf, "hidden_size")
-    num_heads = _int_field(hf, "num_attention_heads")
-    head_dim = hf.get("head_dim")
-    if head_dim is None:
-        if hidden % num_heads:
-            raise CheckpointError(
-                f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {num_heads}; "
-                "set head_dim explicitly"
-            )
-        head_dim = hidden // num_heads
-    max_positions = _int_field(hf, "max_position_embeddings")
-    _check_supported(hf, arch, max_positions)
-    rope_theta, rope_scaling = _rope(hf)
+    """Dims, rope and flags as the family of `architectures` reads them; token ids are filled in from the tokenizer
+    files."""
     try:
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=_int_field(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int_field(hf, "intermediate_size"),
-            num_layers=_int_field(hf, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2",
-            rope_scaling=rope_scaling,
-        )
+        family = models.for_hf_classes(hf.get("architectures") or [])
+        return family.config(hf)
     except ValueError as exc:
         raise CheckpointError(f"config.json: {exc}") from exc
 
@@ -366,7 +255,7 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
 
     With a `packed` format, a linear `X.weight` may instead be stored as its `X.qweight`, `X.qzeros`, `X.scales`
     (GPTQ: `X.g_idx`): it becomes a `BlockQuantized` of the checkpoint's own codes (hf_quantized.py)."""
-    expected = expected_shapes(config)
+    expected = models.checkpoint_shapes(config)
     plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
     stored: dict[str, set[str]] = {}  # packed linear's canonical name -> the parts found
     unexpected: list[str] = []

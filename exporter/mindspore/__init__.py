@@ -1,1 +1,2 @@
-"""MindSpore lowering: one static MINDIR per gear from graphs/llama.py, for Ascend primitives or our CPU kernels."""
+"""MindSpore lowering: one static MINDIR per gear of a model's graph (graphs/models), for Ascend primitives or our
+CPU kernels."""

@@ -38,6 +38,17 @@ class RmsNorm(Body):
         return self.norm(x, weight)[0]
 
 
+class RmsNormHeads(RmsNorm):
+    """ATB's RmsNorm over x viewed as [T * heads, head_dim] rows, as MindIE runs Qwen3's q_norm and k_norm."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__(attrs, target)
+        self.head_dim = attrs.head_dim
+
+    def construct(self, x, weight):
+        return ops.reshape(self.norm(ops.reshape(x, (-1, self.head_dim)), weight)[0], x.shape)
+
+
 class AddRmsNorm(Body):
     """ATB's AddRmsNorm (MindSpore's `ops.add_rms_norm`): outputs (y, rstd, x1 + x2); rstd is dropped."""
 
@@ -301,7 +312,8 @@ def w8a8_static_arrays(w: Int8PerChannel, input_scale: float, input_offset: int,
 
 MINDSPORE_ASCEND: Lowering[Any] = Lowering(
     "mindspore-ascend", "exporter/mindspore/ascend_ops.py (shared: exporter/mindspore/common_ops.py)",
-    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ADD_RMS_NORM: AddRmsNorm, op_set.ROPE: Rope,
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.RMS_NORM_HEADS: RmsNormHeads, op_set.ADD_RMS_NORM: AddRmsNorm,
+     op_set.ROPE: Rope,
      op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.RESHAPE_AND_CACHE_F16: ReshapeAndCache, op_set.PAGED_ATTENTION_F16: PagedAttention,
      op_set.RESHAPE_AND_CACHE_BF16: ReshapeAndCache, op_set.PAGED_ATTENTION_BF16: PagedAttention,

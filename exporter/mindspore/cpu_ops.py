@@ -49,6 +49,17 @@ class RmsNorm(Body):
         return x / ops.sqrt(variance + self.epsilon) * weight
 
 
+class RmsNormHeads(RmsNorm):
+    """Each head's RmsNorm: x viewed as [T * heads, head_dim] rows."""
+
+    def __init__(self, attrs: Any, target: Any) -> None:
+        super().__init__(attrs, target)
+        self.head_dim = attrs.head_dim
+
+    def construct(self, x, weight):
+        return ops.reshape(self.normalize(ops.reshape(x, (-1, self.head_dim)), weight), x.shape)
+
+
 class AddRmsNorm(RmsNorm):
     """The plain Add and RmsNorm: MindSpore's AddRmsNorm kernel is Ascend only."""
 
@@ -117,7 +128,8 @@ class SelfAttention(Body):
 
 MINDSPORE_CPU: Lowering[Any] = Lowering(
     "mindspore-cpu", "exporter/mindspore/cpu_ops.py (shared: exporter/mindspore/common_ops.py)",
-    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.ADD_RMS_NORM: AddRmsNorm, op_set.ROPE: Rope,
+    {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.RMS_NORM_HEADS: RmsNormHeads, op_set.ADD_RMS_NORM: AddRmsNorm,
+     op_set.ROPE: Rope,
      op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
      op_set.SELF_ATTENTION: SelfAttention, op_set.MOE_GATING_TOP_K_SOFTMAX: cpu_moe.MoeGatingTopKSoftmax,
      op_set.MOE_INIT_ROUTING: cpu_moe.MoeInitRouting, op_set.GROUPED_MATMUL: cpu_moe.GroupedMatmul,

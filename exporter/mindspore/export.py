@@ -1,4 +1,4 @@
-"""Export one static MINDIR per gear from graphs/llama.py, plus the shared weights file and index.
+"""Export one static MINDIR per gear of a model's graph (graphs/models), plus the shared weights file and index.
 
 Target "cpu": float32, the fused ops are pagedgraph's C++ kernels (AOT custom ops). Target "ascend": float16 or
 bfloat16 (model.dtype; float16 for float32), MindSpore's own ATB-backed primitives, and one graph set per further
@@ -26,11 +26,13 @@ from ..checkpoint.base import Checkpoint
 from ..progress import stage_bar
 from .builder import MindSporeBuilder, MindSporeTarget, load_cell_class
 from ...graphs import contract as c
-from ...graphs import llama
+from ...graphs import models
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
+from ...graphs.family import GraphOptions
 from ...graphs.quant import BlockQuantized, Int8PerChannel, Weight, graph_arrays, graph_parts, w8a8_static_parts
 from ...graphs.tensor_parallel import RankShard, rank_config
+from ...graphs.weight_forms import WeightForms
 from ..tensor_parallel import ShardedWeights
 
 COMPILE_BYTES = 3 << 30  # one gear's compile working set, beside the weights (docs/performance.md)
@@ -42,7 +44,7 @@ class _Job:
     it reads of them (the example arguments of an export are never run)."""
 
     model: ModelConfig
-    forms: llama.WeightForms  # which linears are quantized (Ascend w8a16)
+    forms: WeightForms  # which linears are quantized (Ascend w8a16)
     block_size: int
     target: str
     dtype: str  # compute dtype
@@ -109,14 +111,14 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     caches = cache_dtypes(target, model_dtype, kv_cache_dtypes)
     if "int8" in caches and not kv_scales:
         raise ValueError("an int8 KV cache in the Ascend MINDIR needs the calibrated scales (kv_scales)")
-    graph_weights: Mapping[str, Weight] = llama.graph_weights(model, checkpoint.tensors, max_positions)
+    graph_weights: Mapping[str, Weight] = models.graph_weights(model, checkpoint.tensors, max_positions)
     size, (directory, weights_file, index_file) = 1, (DIRECTORY, WEIGHTS, INDEX)
     if shard is not None:
         graph_weights = ShardedWeights(graph_weights, model, shard)
         folder = rank_folder(DIRECTORY, shard.rank)
         size, (directory, weights_file, index_file) = shard.size, (rank_file(p, folder) for p in (DIRECTORY, WEIGHTS,
                                                                                                  INDEX))
-    forms = llama.WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
+    forms = WeightForms.of(graph_weights, w8a8_static=w8a8_inputs)
     (out / directory).mkdir(parents=True, exist_ok=True)
     int4: set[str] = set()
     with stage_bar(log, len(graph_weights), "mindir weights", "tensor", unit_scale=False) as bar:
@@ -250,7 +252,7 @@ def _compile(kv_cache_dtype: str, family: str, gear: Gear) -> _Compiled:
 
 
 def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, scratch: Path) -> tuple[Any, MindSporeBuilder]:
-    """Record llama.build against the target's lowering and instantiate the generated Cell."""
+    """Record the model's build against the target's lowering and instantiate the generated Cell."""
     if job.target == "cpu":
         from .cpu_ops import MINDSPORE_CPU
         from ...cpu_kernels.build import library_path
@@ -262,8 +264,8 @@ def _bucket_cell(job: _Job, family: str, kv_cache_dtype: str, scratch: Path) -> 
         lowering, ms_target = MINDSPORE_ASCEND, MindSporeTarget("ascend", multi_query=family != DECODE,
                                                                 logits=Float32Logits, dtype=job.dtype)
     builder = MindSporeBuilder(lowering, ms_target)
-    llama.build(builder, job.model, job.block_size, job.forms, kv_cache_dtype,
-                tensor_parallel_size=job.tensor_parallel_size)
+    models.build(builder, job.model, GraphOptions(job.block_size, job.forms, kv_cache_dtype,
+                                                  tensor_parallel_size=job.tensor_parallel_size))
     cell = load_cell_class(builder.source(), scratch / f"{job.target}_{family}_{kv_cache_dtype}.py")(builder.cells)
     return cell, builder
 

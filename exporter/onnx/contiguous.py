@@ -27,7 +27,8 @@ from .lowering import ONNX
 from .kv_cache import from_cache, to_cache
 from .nodes import Nodes
 from ...graphs import contract as c
-from ...graphs import llama, ops
+from ...graphs import models, ops
+from ...graphs.family import GraphOptions
 from ...graphs.config import ModelConfig
 from ...graphs.kv_cache import CacheFormat, cache_format
 from ...graphs.ops.op import Attributes, Lowering, Op
@@ -158,9 +159,9 @@ CONTIGUOUS: Lowering[Any] = Lowering("contiguous", "exporter/onnx/contiguous.py"
 
 def naive_model(config: ModelConfig, paged: onnx.ModelProto, block_size: int,
                 kv_cache_dtype: str = "float32") -> onnx.ModelProto:
-    """Lower `graphs/llama.build` for a contiguous cache of `kv_cache_dtype`; `paged` is the paged graph of that
+    """Lower the model's graph (graphs/models) for a contiguous cache of `kv_cache_dtype`; `paged` is the paged graph of that
     cache dtype loaded without its weights (an int8 graph's own inline initializers are its scales)."""
     external = {t.name: t for t in paged.graph.initializer}
     builder = ContiguousBuilder(config, external, kv_cache_dtype)
-    llama.build(builder, config, block_size, kv_cache_dtype=kv_cache_dtype)
+    models.build(builder, config, GraphOptions(block_size, kv_cache_dtype=kv_cache_dtype))
     return builder.model("pagedgraph-naive")

@@ -121,10 +121,22 @@ def _reshape_and_cache_for(kv_cache_dtype: str) -> Callable[[Nodes], list[str]]:
     return body
 
 
-def _rms_norm(n: Nodes) -> list[str]:
-    mean_square = n.op("ReduceMean", n.op("Pow", "x", n.const(2.0, dtype="float32")), axes=[-1], keepdims=1)
+def _normalized(n: Nodes, x: str) -> str:
+    """x / sqrt(mean(x^2) + epsilon) * weight over the last axis."""
+    mean_square = n.op("ReduceMean", n.op("Pow", x, n.const(2.0, dtype="float32")), axes=[-1], keepdims=1)
     eps = n.attr_const("epsilon", "float")
-    return [n.op("Mul", n.op("Div", "x", n.op("Sqrt", n.op("Add", mean_square, eps))), "weight")]
+    return n.op("Mul", n.op("Div", x, n.op("Sqrt", n.op("Add", mean_square, eps))), "weight")
+
+
+def _rms_norm(n: Nodes) -> list[str]:
+    return [_normalized(n, "x")]
+
+
+def _rms_norm_heads(n: Nodes) -> list[str]:
+    """x viewed as [T * heads, head_dim] rows, normed, and viewed back."""
+    head_dim = n.unsqueeze(n.attr_const("head_dim", "int"), [0])
+    rows = n.op("Reshape", "x", n.op("Concat", n.const([-1]), head_dim, axis=0))
+    return [n.op("Reshape", _normalized(n, rows), n.op("Shape", "x"))]
 
 
 def _rope(n: Nodes) -> list[str]:
@@ -149,7 +161,8 @@ def _swiglu(n: Nodes) -> list[str]:
 _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
     ops.BLOCK_MINIMUM: quantized.block_minimum, ops.DYNAMIC_QUANT: quantized.dynamic_quant,
     ops.LINEAR_BF16: _linear_bf16_body,
-    ops.RMS_NORM: _rms_norm, ops.ROPE: _rope, ops.SWIGLU: _swiglu, ops.SELF_ATTENTION: attention.self_attention,
+    ops.RMS_NORM: _rms_norm, ops.RMS_NORM_HEADS: _rms_norm_heads, ops.ROPE: _rope, ops.SWIGLU: _swiglu,
+    ops.SELF_ATTENTION: attention.self_attention,
     ops.MOE_GATING_TOP_K_SOFTMAX: moe.moe_gating_top_k_softmax, ops.MOE_INIT_ROUTING: moe.moe_init_routing,
     ops.GROUPED_MATMUL: moe.grouped_matmul, ops.GROUPED_MATMUL_BF16: moe.grouped_matmul_bf16,
     ops.MOE_TOKEN_UNPERMUTE: moe.moe_token_unpermute,

@@ -1,6 +1,6 @@
 """A model's graph as slices of consecutive layers, so export-time calibration and checks stay bounded at any size.
 
-Each slice is the model definition built for a few layers (graphs/llama.build `layers`) over weights that lie in
+Each slice is the model definition built for a few layers (graphs/decoder.py's `layers`) over weights that lie in
 a file (the artifact's weights.bin, or a scratch file with the slice's float32 weights), and runs in its own ONNX
 Runtime session: its weights are mapped while it runs and released after. Slices pass the residual stream on
 (contract.SLICE_OUTPUTS -> SLICE_INPUTS), so chained they compute what the whole graph does. A model whose
@@ -18,8 +18,11 @@ import onnx
 from .graph_builder import Initializer, OnnxBuilder
 from .weights_file import StreamedWeights, WeightsFile
 from ...graphs import contract as c
-from ...graphs import llama
+from ...graphs import models
 from ...graphs.config import ModelConfig
+from ...graphs.family import GraphOptions
+from ...graphs.weight_forms import WeightForms
+from ...graphs.weights import graph_weight
 from ...graphs.quant import Weight
 from ...cpu_kernels.int8_gemm import cpu_session
 
@@ -67,7 +70,7 @@ def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int |
     embedding, the last the LM head) stay within `budget` (default SLICE_BYTES), at least one layer each. The head
     goes alone, as a last empty group, where it does not fit with the last layer; the last group runs the head."""
     budget = SLICE_BYTES if budget is None else budget
-    names = llama.graph_weight_names(model)
+    names = list(models.weight_table(model))
     per_layer = [sum(nbytes(n) for n in names if n.startswith(f"layers.{i}.")) for i in range(model.num_layers)]
     per_layer[0] += nbytes("embed")
     per_layer[-1] += nbytes("final_norm")
@@ -85,14 +88,14 @@ def layer_groups(model: ModelConfig, nbytes: Callable[[str], int], budget: int |
     return [tuple(g) for g in groups]
 
 
-def built_slice(model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
+def built_slice(model: ModelConfig, block_size: int, forms: WeightForms, kv_cache_dtype: str,
                 layers: Sequence[int], head: bool, initializer: Initializer) -> onnx.ModelProto:
     builder = OnnxBuilder(model, initializer, kv_cache_dtype)
-    llama.build(builder, model, block_size, forms, kv_cache_dtype, layers, head)
+    models.build(builder, model, GraphOptions(block_size, forms, kv_cache_dtype, layers, head))
     return builder.model("pagedgraph-slice")
 
 
-def artifact_slices(graph: Path, model: ModelConfig, block_size: int, forms: llama.WeightForms, kv_cache_dtype: str,
+def artifact_slices(graph: Path, model: ModelConfig, block_size: int, forms: WeightForms, kv_cache_dtype: str,
                     initializers: Mapping[str, onnx.TensorProto], groups: Sequence[tuple[int, ...]]
                     ) -> Iterator[Slice]:
     """`graph` (an exported graph whose weights lie beside it) in `groups` of layers (layer_groups'); `initializers`:
@@ -111,14 +114,14 @@ def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_pos
     """The float32-compute graph of checkpoint `tensors` as read, in `groups` of layers (layer_groups'; an empty
     one, the head alone, is left out: calibration reads the layers): each slice's weights are converted into a
     scratch file in `scratch` when it is reached and deleted after it."""
-    sources = graph_sources(model)
+    sources, table = graph_sources(model), models.weight_table(model)
     runs = [layers for layers in groups if layers]
     for index, layers in enumerate(runs):
         path = scratch / "weights.bin"
         head = index + 1 == len(groups)
         with WeightsFile(path) as out:
-            store = StreamedWeights(sources, lambda name: llama.graph_weight(model, tensors, name, max_positions), out)
-            proto = built_slice(model, block_size, llama.WeightForms(store.forms, accuracy_level), "float32", layers,
+            store = StreamedWeights(sources, lambda name: graph_weight(model, table[name], tensors, max_positions), out)
+            proto = built_slice(model, block_size, WeightForms(store.forms, accuracy_level), "float32", layers,
                                 head, store.initializer)
         try:
             yield Slice(layers, head, proto, scratch)
@@ -128,7 +131,7 @@ def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_pos
 
 def slice_weights(model: ModelConfig, layers: Sequence[int], head: bool) -> list[str]:
     """The graph weights a slice reads (the embedding from layer 0, the final norm and the LM head with the head)."""
-    names = [n for n in llama.graph_weight_names(model) if any(n.startswith(f"layers.{i}.") for i in layers)]
+    names = [n for n in models.weight_table(model) if any(n.startswith(f"layers.{i}.") for i in layers)]
     if layers and layers[0] == 0:
         names.append("embed")
     if head:
@@ -138,8 +141,7 @@ def slice_weights(model: ModelConfig, layers: Sequence[int], head: bool) -> list
 
 def graph_sources(model: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Every graph weight and the checkpoint tensors it is made of (none for the rope tables)."""
-    sources = llama.graph_weight_sources(model)
-    return {name: sources.get(name, ()) for name in llama.graph_weight_names(model)}
+    return {name: tuple(s.name for s in w.sources) for name, w in models.weight_table(model).items()}
 
 
 def slice_feed(session: Any, feed: Mapping[str, np.ndarray], carried: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import onnx
 from onnx.external_data_helper import set_external_data
 
 from .graph_builder import onnx_type
-from ...graphs import llama
+from ...graphs.weights import weight_arrays
 from ...graphs.quant import Weight, WeightForm, form_of
 
 
@@ -76,9 +76,9 @@ def check_finite(name: str, sources: Iterable[str], arrays: Mapping[str, np.ndar
 class StreamedWeights:
     """Graph weights converted when the graph first reads them, written to `out`, and dropped.
 
-    `convert(name)` makes one graph weight (llama.graph_weight over the checkpoint's tensors); `sources` names the
+    `convert(name)` makes one graph weight (graphs/weights.py's graph_weight over the checkpoint's tensors); `sources` names the
     checkpoint tensors of each (for errors); `done(name)` is called after each conversion (a progress bar).
-    `forms` is the Mapping a `llama.WeightForms` reads: asking for a weight's form converts it too."""
+    `forms` is the Mapping a `WeightForms` reads: asking for a weight's form converts it too."""
 
     def __init__(self, sources: Mapping[str, tuple[str, ...]], convert: Callable[[str], Weight], out: WeightsFile,
                  done: Callable[[str], None] = lambda name: None) -> None:
@@ -116,7 +116,7 @@ class StreamedWeights:
 
     def _load(self, name: str) -> None:
         w = self._convert(name)
-        arrays = llama.weight_arrays(name, w)
+        arrays = weight_arrays(name, w)
         check_finite(name, self.sources[name], arrays)
         self._forms[name] = form_of(w)
         self._pending.update(arrays)

@@ -21,7 +21,7 @@ from .moe_routing import MOE_GATING_TOP_K_SOFTMAX, MOE_INIT_ROUTING, MOE_TOKEN_U
 from .op import Op
 from .paged_attention import PAGED_ATTENTION, paged_attention
 from .reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache
-from .rms_norm import RMS_NORM, rms_norm
+from .rms_norm import RMS_NORM, RMS_NORM_HEADS, rms_norm, rms_norm_heads
 from .rope import ROPE, rope
 from .self_attention import SELF_ATTENTION, self_attention
 from .split import SPLIT, split
@@ -34,7 +34,7 @@ OP_SET_DOMAIN = "atb"
 # Every op and op variant, in the order docs/design.md lists them; a new one is added here.
 OPS: tuple[Op, ...] = (GATHER, GATHER_BLOCK_QUANTIZED, GATHER_BF16, ADD, SPLIT, LINEAR, LINEAR_BLOCK_QUANTIZED,
                        LINEAR_W8A8, DYNAMIC_QUANT, LINEAR_W8A8_STATIC, LINEAR_BF16, BLOCK_MINIMUM, RMS_NORM,
-                       ADD_RMS_NORM, ROPE, SWIGLU,
+                       RMS_NORM_HEADS, ADD_RMS_NORM, ROPE, SWIGLU,
                        RESHAPE_AND_CACHE, RESHAPE_AND_CACHE_BF16, RESHAPE_AND_CACHE_F16, RESHAPE_AND_CACHE_INT8,
                        PAGED_ATTENTION, PAGED_ATTENTION_BF16, PAGED_ATTENTION_F16, PAGED_ATTENTION_INT8, SELF_ATTENTION,
                        ALL_REDUCE, MOE_GATING_TOP_K_SOFTMAX, MOE_INIT_ROUTING, GROUPED_MATMUL, GROUPED_MATMUL_BF16,
@@ -46,7 +46,8 @@ __all__ = [
     "KV_CACHE_OPS", "LINEAR", "LINEAR_BF16", "LINEAR_BLOCK_QUANTIZED", "LINEAR_W8A8",
     "LINEAR_W8A8_STATIC", "MOE_GATING_TOP_K_SOFTMAX", "MOE_INIT_ROUTING", "MOE_TOKEN_UNPERMUTE", "OPS", "OP_SET_DOMAIN", "OP_SET_VERSION", "PAGED_ATTENTION", "PAGED_ATTENTION_BF16",
     "PAGED_ATTENTION_F16", "PAGED_ATTENTION_INT8", "RESHAPE_AND_CACHE", "RESHAPE_AND_CACHE_BF16",
-    "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "ROPE", "SELF_ATTENTION", "SPLIT", "SWIGLU",
+    "RESHAPE_AND_CACHE_F16", "RESHAPE_AND_CACHE_INT8", "RMS_NORM", "RMS_NORM_HEADS", "ROPE", "SELF_ATTENTION", "SPLIT",
+    "SWIGLU",
     "Op", "add", "add_rms_norm", "all_reduce", "gather", "linear", "paged_attention", "reshape_and_cache",
-    "rms_norm", "rope", "self_attention", "split", "swiglu",
+    "rms_norm", "rms_norm_heads", "rope", "self_attention", "split", "swiglu",
 ]

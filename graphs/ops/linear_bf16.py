@@ -6,7 +6,7 @@ exact in float32 and accumulated in float32, the output is float32. That is what
 (oneDNN's brgemm with avx512_core_bf16 or AMX-BF16, Ascend's MatMul), so every other op of the graph
 (RMS norm, rope, softmax, SwiGLU, the residual adds and the KV write) stays float32 and sees only the
 rounding of the linears' operands.
-No bias input: a model with biases adds them with Add (graphs/llama.py), which keeps the fused node one
+No bias input: a model with biases adds them with Add (graphs/decoder.py), which keeps the fused node one
 GEMM in every lowering.
 Gather: rows of a bfloat16 table (the embedding) widened to float32, exactly.
 """

@@ -19,7 +19,8 @@ from pagedgraph.exporter.mindspore.builder import MindSporeTarget  # noqa: E402
 from pagedgraph.exporter.mindspore.builder import weight_attribute as W  # noqa: E402
 from pagedgraph.exporter.mindspore.readback import read_graph, read_ops  # noqa: E402
 from pagedgraph.graphs import contract as c  # noqa: E402
-from pagedgraph.graphs import llama, ops  # noqa: E402
+from pagedgraph.graphs import models, ops  # noqa: E402
+from pagedgraph.graphs.family import GraphOptions  # noqa: E402
 from pagedgraph.graphs.contract import Gear  # noqa: E402
 from pagedgraph.graphs.reference import NumpyBuilder  # noqa: E402
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -76,7 +77,7 @@ def test_cpu_graphs_match_numpy_references_step_by_step(artifact: Path, checkpoi
     """Prefill, then a chunk after cached tokens beside a decode, then pure decode: logits and pools."""
     manifest = Manifest.load(artifact)
     model = manifest.model
-    weights = llama.graph_weights(model, read_checkpoint(str(checkpoint)).tensors, MAX_LEN)
+    weights = models.graph_weights(model, read_checkpoint(str(checkpoint)).tensors, MAX_LEN)
     executor = MindSporeExecutor(artifact, manifest, KVPools(manifest, 6))
     reference_pools = {name: np.zeros_like(pool) for name, pool in executor.pools.items()}
     steps = [
@@ -87,7 +88,7 @@ def test_cpu_graphs_match_numpy_references_step_by_step(artifact: Path, checkpoi
     for gear, seqs in steps:
         feed = _step(gear, seqs)
         expected = NumpyBuilder({**feed, **reference_pools}, weights)
-        llama.build(expected, model, manifest.block_size)
+        models.build(expected, model, GraphOptions(manifest.block_size))
         logits = executor.run(gear, feed)
         np.testing.assert_allclose(logits, expected.outputs[c.LOGITS], atol=ATOL, rtol=0)
         for name, pool in executor.pools.items():
@@ -338,7 +339,8 @@ def test_ascend_weight_only_lowers_to_weight_quant_batch_matmul(checkpoint: Path
     (embed,) = [r for r in records if r.op_type == "Gather" and r.arguments["input_params"] == W("embed.codes")]
     assert embed.dtypes["input_params"] == "int8"
     weights = index.read_weights(art)
-    expected = quantize_weights(read_checkpoint(str(checkpoint)).tensors, quantization, 32)
+    raw = read_checkpoint(str(checkpoint))
+    expected = quantize_weights(raw.config, raw.tensors, quantization, 32)
     rtn = expected["model.layers.0.self_attn.o_proj.weight"].dequantize()
     tolerance = 1e-2 if dtype == "bfloat16" else 2e-3  # the scales in the compute dtype
     np.testing.assert_allclose(_ascend_weight(weights, "layers.0.o_proj", bits), rtn, rtol=tolerance,
@@ -411,7 +413,7 @@ def _assert_one_copy_of_the_weights(art: Path, checkpoint: Path) -> None:
     assert ends == len(data)
     stored = index.read_weights(art)
     ck = read_checkpoint(str(checkpoint))
-    for name, w in llama.graph_weights(ck.config, ck.tensors, MAX_LEN).items():
+    for name, w in models.graph_weights(ck.config, ck.tensors, MAX_LEN).items():
         np.testing.assert_array_equal(stored[name], w.astype(stored[name].dtype), err_msg=name)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedgraph.exporter.smoothquant import smooth
+from pagedgraph.graphs.config import ModelConfig
 from pagedgraph.graphs.ops.rms_norm import rms_norm
 
 
@@ -18,7 +19,8 @@ def test_smoothing_keeps_the_layer_and_flattens_the_input_channels() -> None:
     hidden = rng.normal(0, 1, (40, k)).astype(np.float32)
     gamma = "model.layers.0.input_layernorm.weight"
     x = rms_norm(hidden, tensors[gamma], epsilon=1e-5)
-    smoothed, ranges = smooth(tensors, 1, {"layers.0.qkv": (x.min(0), x.max(0))}, 0.5)
+    config = ModelConfig("llama", 32, k, 32, 1, 2, 1, 8, 1e-5, 1e4, 64, True)  # qkv [16 + 8 + 8, 16]
+    smoothed, ranges = smooth(config, tensors, {"layers.0.qkv": (x.min(0), x.max(0))}, 0.5)
     x_smooth = rms_norm(hidden, smoothed[gamma], epsilon=1e-5)
     for name in names:
         np.testing.assert_allclose(x_smooth @ smoothed[name].T, x @ tensors[name].T, rtol=1e-4, atol=1e-5)

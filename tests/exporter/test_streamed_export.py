@@ -20,7 +20,10 @@ from pagedgraph.exporter.export import GRAPH, WEIGHTS, export
 from pagedgraph.exporter.onnx import slices
 from pagedgraph.exporter.onnx.graph_builder import OnnxBuilder
 from pagedgraph.exporter.quantize import quantize_weights
-from pagedgraph.graphs import llama
+from pagedgraph.graphs import models
+from pagedgraph.graphs.family import GraphOptions
+from pagedgraph.graphs.weight_forms import WeightForms
+from pagedgraph.graphs.weights import graph_arrays
 from pagedgraph.graphs.quant import form_of
 from pagedgraph.texts import shipped_text
 from tests.conftest import TEST_EXPORT
@@ -35,13 +38,13 @@ def _whole_model_files(artifact: Path, out: Path) -> tuple[bytes, bytes]:
     config = ExportConfig.model_validate(manifest.export_config)
     quantization = config.model.quantization
     raw = read_checkpoint(config.model.source, keep_blocks=quantization == "gguf")
-    tensors = quantize_weights(raw.tensors, quantization, config.model.group_size) \
+    tensors = quantize_weights(raw.config, raw.tensors, quantization, config.model.group_size) \
         if quantization in ("w8a16", "w4a16", "w8a8") else raw.tensors
-    weights = dict(llama.graph_weights(raw.config, tensors, config.export.max_model_len, config.model.dtype))
-    arrays = llama.graph_arrays(weights)
-    forms = llama.WeightForms({name: form_of(w) for name, w in weights.items()}, config.export.accuracy_level)
+    weights = dict(models.graph_weights(raw.config, tensors, config.export.max_model_len, config.model.dtype))
+    arrays = graph_arrays(weights)
+    forms = WeightForms({name: form_of(w) for name, w in weights.items()}, config.export.accuracy_level)
     builder = OnnxBuilder(raw.config, lambda name: numpy_helper.from_array(arrays[name], name), config.model.dtype)
-    llama.build(builder, raw.config, config.export.block_size, forms, config.model.dtype)
+    models.build(builder, raw.config, GraphOptions(config.export.block_size, forms, config.model.dtype))
     (out / GRAPH).parent.mkdir(parents=True)
     onnx.save_model(builder.model("pagedgraph"), out / GRAPH, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=Path(WEIGHTS).name, size_threshold=0)

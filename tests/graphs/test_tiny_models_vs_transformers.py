@@ -1,6 +1,7 @@
 """Exported ONNX bucket graphs, run by the engine, against HF transformers on the same tiny checkpoints.
 
-Covers what SmolLM2 does not: untied LM heads, Qwen2's q/k/v bias, Mistral, llama3 rope scaling.
+Covers what SmolLM2 does not: untied LM heads, Qwen2's q/k/v bias, Mistral, llama3 rope scaling, Qwen3's per-head
+q/k norms with a head_dim of its own, Phi-3's fused qkv_proj and gate_up_proj.
 The engine's reported logprobs (top-5 of every generated token) must equal transformers' fp32
 log-softmax, and greedy tokens must match.
 """
@@ -14,6 +15,7 @@ import pytest
 
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import export
+from pagedgraph.graphs import models
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_hf_checkpoint
@@ -28,6 +30,9 @@ CASES = {
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "mistral": dict(arch="mistral", tie=False),
     "qwen2-bias-bf16": dict(arch="qwen2", tie=False, dtype="bfloat16"),
+    "qwen3-tied-head-dim-32": dict(arch="qwen3", tie=True, dims={"head_dim": 32}),  # q 4 x 32 over hidden 64
+    "qwen3-untied": dict(arch="qwen3", tie=False),
+    "phi3-fused-qkv-gate-up": dict(arch="phi3", tie=False),
 }
 PROMPTS = [[5, 17, 42], list(range(10, 60)), [7], list(range(100, 140, 3))]
 NEW_TOKENS = 12
@@ -45,6 +50,11 @@ def _hf_greedy(model: object, prompt: list[int]) -> tuple[list[int], list[np.nda
     return tokens, logprobs
 
 
+def test_every_registered_family_is_checked_against_transformers() -> None:
+    """A family joins the registry with a tiny case here (the registry's test that every family exports)."""
+    assert set(models.FAMILIES) <= {case["arch"] for case in CASES.values()}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_engine_matches_transformers(case: str, tmp_path: Path) -> None:
     model_dir = make_tiny_hf_checkpoint(tmp_path / "hf", **CASES[case])
@@ -58,10 +68,10 @@ def test_engine_matches_transformers(case: str, tmp_path: Path) -> None:
     assert_engine_follows(tmp_path / "artifact", model, case)
 
 
-def assert_engine_follows(artifact: Path, model: object, label: str) -> None:
+def assert_engine_follows(artifact: Path, model: object, label: str, **engine_config: object) -> None:
     """The engine's greedy tokens on PROMPTS equal `model`'s (a transformers fp32 model), and its top-5 logprobs
-    its log-softmax within 1e-4."""
-    engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    its log-softmax within 1e-4. `engine_config`: EngineConfig fields (executor, custom_ops, ...)."""
+    engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=64, **engine_config))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     seqs = {engine.add_request(p, params).request_id: p for p in PROMPTS}
     done = {}

@@ -21,8 +21,9 @@ from pagedgraph.artifact.manifest import Manifest, rank_file
 from pagedgraph.cli import main
 from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import GRAPH, WEIGHTS, export
-from pagedgraph.exporter.tensor_parallel import kind
+from pagedgraph.graphs import models
 from pagedgraph.graphs.contract import k_cache_name
+from pagedgraph.graphs.family import Split
 from pagedgraph.graphs.tensor_parallel import TensorParallelError
 from pagedgraph.inspect import describe, text
 from pagedgraph.runtime.engine import LLM
@@ -123,7 +124,8 @@ def _initializer_bytes(graph: Path) -> dict[str, int]:
 @pytest.mark.parametrize("size", [2, 4])
 def test_rank_weights_are_their_share_plus_the_replicated_parts(artifacts: dict[int, Path], size: int) -> None:
     whole = _initializer_bytes(artifacts[1] / GRAPH)
-    replicated = sum(n for name, n in whole.items() if kind(name) == "replicated")
+    table = models.weight_table(Manifest.load(artifacts[1]).model)
+    replicated = sum(n for name, n in whole.items() if table[name].role.split is Split.REPLICATED)
     split = sum(whole.values()) - replicated
     assert replicated and split
     manifest = Manifest.load(artifacts[size])
