@@ -2,7 +2,7 @@
 
 Two libraries: the kernels (ctypes, MindSpore AOT) and the ONNX Runtime custom-op library (the
 same kernels behind ORT's C API, built against a header from ort_headers). Where oneDNN's headers are
-installed (Debian's libdnnl-dev), the custom-op library also gets Linear.bf16 (onednn_linear.cc) and GroupedMatmul (onednn_grouped_matmul.cc), linked
+installed (Debian's libdnnl-dev), the custom-op library also gets Linear.bf16 (onednn_linear.cc), linked
 to the system's libdnnl; without them it is built without that op (`onednn_missing` says why). Each lands in a
 per-user cache directory keyed by a hash of its sources, headers and flags, so the exporter and
 the runtime on one machine share it and an edited source or another ORT header rebuilds it. The
@@ -30,7 +30,7 @@ ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
 # library beside the kernels library, whose pg_* symbols must not bind to this copy's (or the reverse).
 ORT_FLAGS = ("-fvisibility=hidden",)
 # Compiled into the custom-op library only, and only with oneDNN: the kernels library must not need libdnnl.
-ONEDNN_SOURCES = ("onednn_linear.cc", "onednn_grouped_matmul.cc")
+ONEDNN_SOURCES = ("onednn_linear.cc",)
 ONEDNN_HEADER = "oneapi/dnnl/dnnl.hpp"
 ONEDNN_FLAGS = ("-DPG_WITH_ONEDNN",)
 ONEDNN_LINK = ("-ldnnl",)

@@ -106,39 +106,56 @@ def grouped_matmul_bf16(n: Nodes) -> list[str]:
                         lambda b, e: b.cast(b.op("Gather", "weight", e, axis=0), TensorProto.FLOAT))]
 
 
-def grouped_matmul_block_quantized(g: Any, inputs: Sequence[str | None], attrs: Any) -> list[str]:
-    """Inline nodes (not a function: zero points and minima are optional per weight form): each chosen expert's
-    codes dequantized in gguf's order of operations ((code - zero point) * scale + minimum), then float32 Gemm.
-    The reference semantics in plain ONNX Runtime, dequantizing a whole expert per group; `accuracy_level` is the
-    kernels' to use."""
+def grouped_matmul_block_quantized(g: Any, inputs: Sequence[str | None], attrs: Any, *, nbits: Any) -> list[str]:
+    """One GroupedMatmulNBits node (`nbits`, its Function: exporter/onnx/lowering.py binds it) over every part:
+    zero points and minima the form leaves out are given as their defaults (2**(bits-1) and 0), one constant for all
+    experts ([1, N, Z] and [1, blocks, N], broadcast over the expert axis), so one function body and one custom
+    kernel (cpu_kernels/grouped_matmul_nbits.cc) serve every form."""
     x, codes, scales, zero_points, minimum_t, group_list = inputs
     n = g.n
-    blocks, bits, block = attrs.K // attrs.block_size, attrs.bits, attrs.block_size
+    blocks = attrs.K // attrs.block_size
+    if not zero_points:  # MatMulNBits' packing: a byte each (8 bits), two 4-bit points a byte
+        width, default = (blocks, 128) if attrs.bits == 8 else ((blocks + 1) // 2, 0x88)
+        zero_points = n.const(np.full((1, attrs.N, width), default), np.uint8)
+    if not minimum_t:
+        minimum_t = n.const(np.zeros((1, blocks, attrs.N)), np.float16)
+    return nbits(g, [x, codes, scales, zero_points, minimum_t, group_list], attrs)
+
+
+def grouped_matmul_nbits(n: Nodes) -> list[str]:
+    """GroupedMatmulNBits's function body: each chosen expert's codes, zero points, scales and minima (zero points
+    and minima of shape [1, ...] serve every expert) gathered and
+    dequantized in gguf's order of operations ((code - zero point) * scale + minimum), then float32 Gemm; a whole
+    expert per group (the reference semantics in plain ONNX Runtime). The 4/8-bit unpacking follows the `bits`
+    attribute: 8 / bits codes a byte, code i = floor(byte / 2**(bits * i)) mod 2**bits, exact in float32."""
+    bits = n.cast(n.attr_const("bits", "int"), TensorProto.FLOAT)
+    levels = n.op("Pow", n.const(2.0, np.float32), bits)
+    per_byte = n.op("Div", n.const(8.0, np.float32), bits)
+    powers = n.op("Pow", levels, n.op("Range", n.const(0.0, np.float32), per_byte, n.const(1.0, np.float32)))
+    block = n.unsqueeze(n.attr_const("block_size", "int"), [0])
+    k = n.unsqueeze(n.attr_const("K", "int"), [0])
+    blocks = n.op("Div", k, block)
+
+    def unpacked(b: Nodes, packed: str) -> str:
+        """uint8 [..., bytes] -> float codes [..., bytes * 8 / bits], low bits first."""
+        shifted = b.op("Floor", b.op("Div", b.unsqueeze(b.cast(packed, TensorProto.FLOAT), [-1]), powers))
+        codes = b.op("Sub", shifted, b.op("Mul", b.op("Floor", b.op("Div", shifted, levels)), levels))
+        return b.op("Reshape", codes, b.const([0, 0, -1]))
+
+    def shared(b: Nodes, part: str, e: str) -> str:
+        """Expert e's index into `part`, 0 where one entry serves every expert (a default broadcast)."""
+        return b.op("Min", e, b.op("Sub", b.op("Squeeze", b.shape_dim(part, 0)), b.const(1)))
 
     def weight(b: Nodes, e: str) -> str:
-        values = b.cast(b.op("Gather", codes, e, axis=0), TensorProto.FLOAT)  # [N, blocks, bytes]
-        if bits == 4:
-            values = b.op("Reshape", _nibbles(b, values), b.const([0, blocks, block]))
-        if zero_points:
-            zero = b.cast(b.op("Gather", zero_points, e, axis=0), TensorProto.FLOAT)  # [N, Z] packed
-            if bits == 4:
-                zero = b.op("Slice", b.op("Reshape", _nibbles(b, zero), b.const([0, -1])), b.const([0]),
-                            b.const([blocks]), b.const([1]))
-            zero = b.unsqueeze(zero, [2])
-        else:
-            zero = b.const(float(1 << (bits - 1)), np.float32)
-        values = b.op("Mul", b.op("Sub", values, zero), b.unsqueeze(b.op("Gather", scales, e, axis=0), [2]))
-        if minimum_t:
-            minimum = b.op("Transpose", b.cast(b.op("Gather", minimum_t, e, axis=0), TensorProto.FLOAT), perm=[1, 0])
-            values = b.op("Add", values, b.unsqueeze(minimum, [2]))
-        return b.op("Reshape", values, b.const([0, attrs.K]))
+        codes = b.op("Reshape", unpacked(b, b.op("Gather", "codes", e, axis=0)),
+                     b.op("Concat", b.const([0]), blocks, block, axis=0))  # [N, blocks, block_size]
+        zero = unpacked(b, b.unsqueeze(b.op("Gather", "zero_points", shared(b, "zero_points", e), axis=0), [1]))
+        zero = b.op("Slice", b.op("Reshape", zero, b.const([0, -1])), b.const([0]), blocks, b.const([1]))
+        values = b.op("Mul", b.op("Sub", codes, b.unsqueeze(zero, [2])),
+                      b.unsqueeze(b.op("Gather", "scales", e, axis=0), [2]))
+        minimum = b.op("Transpose", b.cast(b.op("Gather", "minimum_t", shared(b, "minimum_t", e), axis=0),
+                                           TensorProto.FLOAT), perm=[1, 0])
+        return b.op("Reshape", b.op("Add", values, b.unsqueeze(minimum, [2])), b.op("Concat", b.const([0]), k, axis=0))
 
-    kind = n.const(attrs.group_list_type)
-    return [expert_loop(n, x, group_list, kind, n.const([attrs.N]), weight)]
-
-
-def _nibbles(n: Nodes, values: str) -> str:
-    """uint8 values (as float32) -> their two 4-bit codes, low first, along a new last axis (exact in float32)."""
-    high = n.op("Floor", n.op("Div", values, n.const(16.0, np.float32)))
-    low = n.op("Sub", values, n.op("Mul", high, n.const(16.0, np.float32)))
-    return n.op("Concat", n.unsqueeze(low, [-1]), n.unsqueeze(high, [-1]), axis=-1)
+    width = n.unsqueeze(n.attr_const("N", "int"), [0])
+    return [expert_loop(n, "x", "group_list", n.attr_const("group_list_type", "int"), width, weight)]

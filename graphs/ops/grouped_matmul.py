@@ -22,7 +22,7 @@ from .linear_bf16 import to_bfloat16
 from .linear_block_quantized import example_forms
 from .moe_routing import COUNT, CUMSUM, moe_init_routing, routing_example
 from .op import Attributes, Example, Op, Tensor
-from ..quant import from_graph, stacked_graph_arrays, unstack
+from ..quant import ExpertStack, from_graph, stacked_graph_arrays, unstack
 
 # group_list_type: GroupedMatmulV4's values
 GROUP_CUMSUM, GROUP_COUNT = 0, 1
@@ -134,7 +134,7 @@ def _block_examples() -> Iterator[Example]:
     for label, w in example_forms():
         n, k_in = w.shape
         stack = [w.rows(rng.permutation(n)) for _ in range(experts)]  # distinct experts of one form
-        arrays = stacked_graph_arrays("w", stack)
+        arrays = stacked_graph_arrays("w", ExpertStack(tuple(stack)))
         x, groups = _routed(rng, tokens, experts, k, k_in, True, kind)
         scale = float(np.abs(x).max() * max(np.abs(e.dequantize()).max() for e in stack) * k_in)
         parts = (arrays["w.codes"], arrays["w.scales"], arrays.get("w.zero_points"), arrays.get("w.minimum_t"))
