@@ -24,7 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pagedgraph.cpu_kernels.build import ort_library_path
 from pagedgraph.exporter.onnx.graph_builder import FragmentBuilder
-from pagedgraph.graphs.moe import MoeShape, moe_ffn, moe_weight_names
+from pagedgraph.graphs.config import MoeConfig
+from pagedgraph.graphs.moe import moe_weight_names, routed_experts
+from pagedgraph.graphs.weight_forms import WeightForms
 
 
 def machine() -> dict[str, object]:
@@ -35,20 +37,20 @@ def machine() -> dict[str, object]:
     return {"cpu": model, "flags": [f for f in wanted if f in flags], "loadavg": os.getloadavg()}
 
 
-def ours(moe: MoeShape) -> bytes:
+def ours(moe: MoeConfig, hidden: int) -> bytes:
     names = moe_weight_names(0)
-    shapes = {names[0]: (moe.num_experts, moe.hidden_size),
-              names[1]: (moe.num_experts, 2 * moe.intermediate_size, moe.hidden_size),
-              names[2]: (moe.num_experts, moe.hidden_size, moe.intermediate_size)}
+    shapes = {names[0]: (moe.num_experts, hidden),
+              names[1]: (moe.num_experts, 2 * moe.intermediate_size, hidden),
+              names[2]: (moe.num_experts, hidden, moe.intermediate_size)}
     b = FragmentBuilder({n: np.empty(s, np.float32) for n, s in shapes.items()}, inline=False)
-    b.output("y", moe_ffn(b, {}, b.input("x"), 0, moe))
+    b.output("y", routed_experts(b, moe, WeightForms(), b.input("x"), 0))
     return b.model("pagedgraph-moe").SerializeToString()
 
 
-def onnxruntime_moe(moe: MoeShape, weights: dict[str, np.ndarray] | None = None) -> bytes:
+def onnxruntime_moe(moe: MoeConfig, h: int, weights: dict[str, np.ndarray] | None = None) -> bytes:
     """Router Gemm, then com.microsoft.MoE with SwiGLU experts (gate and up rows interleaved in fc1); `weights`
     given, they are the graph's initializers."""
-    e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+    e, i = moe.num_experts, moe.intermediate_size
     info = helper.make_tensor_value_info
     nodes = [helper.make_node("Gemm", ["x", "router"], ["logits"], transB=1),
              helper.make_node("MoE", ["x", "logits", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=moe.top_k,
@@ -74,19 +76,19 @@ def session(model: bytes, threads: int, library: bool) -> ort.InferenceSession:
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def measure(moe: MoeShape, token_counts: list[int], repeats: int, threads: int, seed: int,
+def measure(moe: MoeConfig, h: int, token_counts: list[int], repeats: int, threads: int, seed: int,
             initializers: bool) -> list[dict[str, object]]:
     rng = np.random.default_rng(seed)
-    e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+    e, i = moe.num_experts, moe.intermediate_size
     router = rng.standard_normal((e, h), np.float32)
     gate_up = (rng.standard_normal((e, 2 * i, h), np.float32) * 0.02).astype(np.float32)
     down = (rng.standard_normal((e, h, i), np.float32) * 0.02).astype(np.float32)
     interleaved = np.empty_like(gate_up)  # ORT's fc1: g0, u0, g1, u1, ...
     interleaved[:, 0::2], interleaved[:, 1::2] = gate_up[:, :i], gate_up[:, i:]
     names = moe_weight_names(0)
-    mine = session(ours(moe), threads, library=True)
+    mine = session(ours(moe, h), threads, library=True)
     their_weights = {"router": router, "fc1": interleaved, "fc2": down}
-    theirs = session(onnxruntime_moe(moe, their_weights if initializers else None), threads, library=False)
+    theirs = session(onnxruntime_moe(moe, h, their_weights if initializers else None), threads, library=False)
     feeds = {"pagedgraph": dict(zip(names, (router, gate_up, down))), "ort_moe": {} if initializers else their_weights}
     rows = []
     for tokens in token_counts:
@@ -124,8 +126,9 @@ def main() -> None:
     args = parser.parse_args()
     by_experts = {}
     for experts in args.experts:
-        moe = MoeShape(args.hidden, experts, args.top_k, args.intermediate, norm_topk_prob=False)
-        by_experts[experts] = measure(moe, args.tokens, args.repeats, args.threads, args.seed, args.initializers)
+        moe = MoeConfig(experts, args.top_k, args.intermediate, norm_topk_prob=False, sparse_layers=(0,))
+        by_experts[experts] = measure(moe, args.hidden, args.tokens, args.repeats, args.threads, args.seed,
+                                      args.initializers)
     if len(args.experts) == 2 and 1 in args.tokens:  # the target: a B=1 step's MoE time follows k, not E
         few, many = (next(r for r in by_experts[e] if r["tokens"] == 1) for e in sorted(args.experts))
         print(json.dumps({"decode_b1_time_ratio": round(many["pagedgraph_ms"] / few["pagedgraph_ms"], 3),
