@@ -1,4 +1,5 @@
-"""Greedy output does not depend on what else runs: every shipped precision and KV-cache dtype, on the real model.
+"""Greedy output does not depend on what else runs: every shipped precision and KV-cache dtype, on the real model,
+and a Mixture-of-Experts model (a tiny random Qwen3-MoE: the rows each expert receives change with the batch).
 
 One prompt alone, then inside batches of 2, 7 and 16 other prompts (it comes last, so the step budget chunks it
 at other places), then after part of it and all of it are cached: its tokens and their logprobs are the same
@@ -32,7 +33,8 @@ CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat
          ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
          ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
-         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32")]
+         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32"),
+         ("moe-fp32", "moe_fp32_artifact", "float32"), ("moe-w4a16", "moe_w4a16_artifact", "float32")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
@@ -60,6 +62,29 @@ def w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gguf_int8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _export(tmp_path_factory.mktemp("gguf-int8"), {"quantization": "gguf"}, {})
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 experts, top-4, beside a dense layer; positions for the longest prompt and its tokens."""
+    from tests.graphs.test_tiny_models_vs_transformers import QWEN3_MOE
+    from tests.tiny_models import make_tiny_hf_checkpoint
+
+    pytest.importorskip("torch")
+    dims = QWEN3_MOE | {"num_experts": 16, "num_experts_per_tok": 4, "mlp_only_layers": [1],
+                        "max_position_embeddings": LADDERS["max_model_len"]}
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe-hf") / "hf", arch="qwen3_moe", tie=False, dims=dims)
+
+
+@pytest.fixture(scope="module")
+def moe_fp32_artifact(tmp_path_factory: pytest.TempPathFactory, moe_checkpoint: Path) -> Path:
+    return _export(tmp_path_factory.mktemp("moe-fp32"), {"source": str(moe_checkpoint)}, {})
+
+
+@pytest.fixture(scope="module")
+def moe_w4a16_artifact(tmp_path_factory: pytest.TempPathFactory, moe_checkpoint: Path) -> Path:
+    return _export(tmp_path_factory.mktemp("moe-w4a16"),
+                   {"source": str(moe_checkpoint), "quantization": "w4a16", "group_size": 32}, {})
 
 
 def _prompts(llm: LLM) -> tuple[list[int], list[list[int]]]:
