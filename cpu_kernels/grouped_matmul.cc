@@ -45,23 +45,46 @@ inline f32x8 round_bf16(f32x8 v) {
   return __builtin_bit_cast(f32x8, rounded);
 }
 
-// A float32 or bfloat16 expert [N, K]: rows of a tile times columns [c0, c1).
-template <class W, int Rows>
-void dense_tile(const float *x, const W *w, int64_t k, int64_t n, int64_t c0, int64_t c1, float *y) {
-  for (int64_t col = c0; col < c1; ++col) {
-    const W *row = w + col * k;
-    f32x8 acc[Rows] = {};
-    for (int64_t j = 0; j < k; j += kLanes) {
-      if constexpr (sizeof(W) == 4) {
-        const f32x8 v = load8(reinterpret_cast<const float *>(row) + j);
-        for (int r = 0; r < Rows; ++r) acc[r] += load8(x + r * k + j) * v;
-      } else {
-        const f32x8 v = bf16_8(reinterpret_cast<const uint16_t *>(row) + j);
-        for (int r = 0; r < Rows; ++r) acc[r] += round_bf16(load8(x + r * k + j)) * v;
+// Eight weights of a float32 or bfloat16 expert row, and the input they multiply (rounded for bfloat16).
+inline f32x8 weight8(const float *p) { return load8(p); }
+inline f32x8 weight8(const uint16_t *p) { return bf16_8(p); }
+inline f32x8 input8(const float *p, const float *) { return load8(p); }
+inline f32x8 input8(const float *p, const uint16_t *) { return round_bf16(load8(p)); }
+
+// Rows [0, Rows) of a tile times columns [col, col + Cols) of a float32 or bfloat16 expert [N, K]. Each element has
+// two accumulators (the even and the odd vectors of its row: independent chains keep the FMA units busy when a
+// tile is one row), summed at the end; the same operations for every element whatever Rows and Cols are.
+template <class W, int Rows, int Cols>
+void dense_columns(const float *x, const W *w, int64_t k, int64_t n, int64_t col, float *y) {
+  f32x8 even[Rows][Cols] = {}, odd[Rows][Cols] = {};
+  for (int64_t j = 0; j < k; j += 2 * kLanes) {
+    f32x8 w0[Cols], w1[Cols];
+    for (int c = 0; c < Cols; ++c) {
+      w0[c] = weight8(w + (col + c) * k + j);
+      w1[c] = weight8(w + (col + c) * k + j + kLanes);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const f32x8 x0 = input8(x + r * k + j, w), x1 = input8(x + r * k + j + kLanes, w);
+      for (int c = 0; c < Cols; ++c) {
+        even[r][c] += x0 * w0[c];
+        odd[r][c] += x1 * w1[c];
       }
     }
-    for (int r = 0; r < Rows; ++r) y[r * n + col] = sum8(acc[r]);
   }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * n + col + c] = sum8(even[r][c] + odd[r][c]);
+}
+
+// Columns per step: a one-row tile (decode) takes four (eight accumulator chains), a four-row tile two (sixteen
+// accumulators, within AVX-512's 32 vector registers).
+template <int Rows>
+constexpr int kCols = Rows == 1 ? 4 : 2;
+
+template <class W, int Rows>
+void dense_tile(const float *x, const W *w, int64_t k, int64_t n, int64_t c0, int64_t c1, float *y) {
+  int64_t col = c0;
+  for (; col + kCols<Rows> <= c1; col += kCols<Rows>) dense_columns<W, Rows, kCols<Rows>>(x, w, k, n, col, y);
+  for (; col < c1; ++col) dense_columns<W, Rows, 1>(x, w, k, n, col, y);
 }
 
 // One expert's block-quantized parts in the op's layout (MatMulNBits' with a leading expert axis).
@@ -117,37 +140,62 @@ inline f32x8 codes8(const uint8_t *p, Zero zero) {
 }
 #endif
 
+// Rows [0, Rows) of a tile (their block sums in `sums`) times columns [col, col + Cols) of a block-quantized expert.
+// Within a block each element has two accumulators (even and odd vectors), their sum times the block's scale added
+// into the element's running vector; the same operations for every element whatever Rows and Cols are.
+template <int Bits, int Rows, int Cols>
+void quantized_columns(const float *x, const Quantized &e, const float (*sums)[kMaxBlocks], int64_t col, float *y) {
+  constexpr int64_t kBytes8 = Bits;  // bytes of eight codes
+  const int64_t block_bytes = e.block_size * Bits / 8;
+  f32x8 acc[Rows][Cols] = {};
+  float extra[Rows][Cols] = {};
+  for (int64_t b = 0; b < e.blocks; ++b) {
+    Zero zero[Cols];
+    const uint8_t *codes[Cols];
+    for (int c = 0; c < Cols; ++c) {
+      zero[c] = zero_vector(e.zero_point(col + c, b, Bits));
+      codes[c] = e.codes + ((col + c) * e.blocks + b) * block_bytes;
+    }
+    f32x8 even[Rows][Cols] = {}, odd[Rows][Cols] = {};
+    const float *xb = x + b * e.block_size;
+    for (int64_t j = 0; j < e.block_size; j += 2 * kLanes) {
+      f32x8 w0[Cols], w1[Cols];
+      for (int c = 0; c < Cols; ++c) {
+        w0[c] = codes8<Bits>(codes[c] + j / kLanes * kBytes8, zero[c]);
+        w1[c] = codes8<Bits>(codes[c] + (j / kLanes + 1) * kBytes8, zero[c]);
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const f32x8 x0 = load8(xb + r * e.k + j), x1 = load8(xb + r * e.k + j + kLanes);
+        for (int c = 0; c < Cols; ++c) {
+          even[r][c] += x0 * w0[c];
+          odd[r][c] += x1 * w1[c];
+        }
+      }
+    }
+    for (int c = 0; c < Cols; ++c) {
+      const float scale = e.scales[(col + c) * e.blocks + b], low = e.minimum(col + c, b);
+      for (int r = 0; r < Rows; ++r) {
+        acc[r][c] += (even[r][c] + odd[r][c]) * scale;
+        extra[r][c] += low * sums[r][b];
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8(acc[r][c]) + extra[r][c];
+}
+
 template <int Bits, int Rows>
 void quantized_tile(const float *x, const Quantized &e, int64_t c0, int64_t c1, float *y) {
-  constexpr int64_t kBytes8 = Bits;  // bytes of eight codes
-  float sums[Rows][kMaxBlocks];      // each row's inputs summed per block (the minimum's term)
+  float sums[Rows][kMaxBlocks];  // each row's inputs summed per block (the minimum's term)
   for (int r = 0; r < Rows; ++r)
     for (int64_t b = 0; b < e.blocks; ++b) {
       f32x8 acc{};
       for (int64_t j = 0; j < e.block_size; j += kLanes) acc += load8(x + r * e.k + b * e.block_size + j);
       sums[r][b] = sum8(acc);
     }
-  const int64_t block_bytes = e.block_size * Bits / 8;
-  for (int64_t col = c0; col < c1; ++col) {
-    f32x8 acc[Rows] = {};
-    float extra[Rows] = {};
-    const uint8_t *codes = e.codes + col * e.blocks * block_bytes;
-    for (int64_t b = 0; b < e.blocks; ++b) {
-      const Zero zero = zero_vector(e.zero_point(col, b, Bits));
-      f32x8 part[Rows] = {};
-      const float *xb = x + b * e.block_size;
-      for (int64_t j = 0; j < e.block_size; j += kLanes) {
-        const f32x8 w = codes8<Bits>(codes + b * block_bytes + j / kLanes * kBytes8, zero);
-        for (int r = 0; r < Rows; ++r) part[r] += load8(xb + r * e.k + j) * w;
-      }
-      const float scale = e.scales[col * e.blocks + b], low = e.minimum(col, b);
-      for (int r = 0; r < Rows; ++r) {
-        acc[r] += part[r] * scale;
-        extra[r] += low * sums[r][b];
-      }
-    }
-    for (int r = 0; r < Rows; ++r) y[r * e.n + col] = sum8(acc[r]) + extra[r];
-  }
+  int64_t col = c0;
+  for (; col + kCols<Rows> <= c1; col += kCols<Rows>) quantized_columns<Bits, Rows, kCols<Rows>>(x, e, sums, col, y);
+  for (; col < c1; ++col) quantized_columns<Bits, Rows, 1>(x, e, sums, col, y);
 }
 
 // The groups of `group_list` as row bounds, and the experts that received rows; 0, or pg::fail's status.
@@ -194,7 +242,7 @@ extern "C" {
 int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, const int64_t *group_list,
                       int64_t group_list_type, float *y, int64_t m, int64_t k, int64_t n, int64_t experts,
                       const pg_runner *runner) {
-  if (k % kLanes) return pg::fail("grouped matmul: K = " + std::to_string(k) + " is not a multiple of 8");
+  if (k % (2 * kLanes)) return pg::fail("grouped matmul: K = " + std::to_string(k) + " is not a multiple of 16");
   if (bfloat16) {
     const auto *w = static_cast<const uint16_t *>(weight);
     return run(group_list, group_list_type, experts, x, y, m, k, n, runner,

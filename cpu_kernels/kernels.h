@@ -67,7 +67,7 @@ int pg_block_minimum(const float *y, const float *x, const void *minimum_t, int3
 
 // GroupedMatmul: y [m, n] = each expert group's rows of x [m, k] (group_list: counts for type 1, a running sum for
 // type 0) times that expert's weight [n, k] of the stack [experts, n, k], float32 or (`bfloat16`) bfloat16 bits with
-// x rounded to bfloat16; k a multiple of 8. Rows past the groups are zero; each element independent of the other
+// x rounded to bfloat16; k a multiple of 16. Rows past the groups are zero; each element independent of the other
 // rows (batch-invariant).
 int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, const int64_t *group_list,
                       int64_t group_list_type, float *y, int64_t m, int64_t k, int64_t n, int64_t experts,

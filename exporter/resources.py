@@ -68,7 +68,9 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
     needs_float32 = _calibrates_in_float32(config)
     converting = max(size * (2 if len(table[name].sources) > 1 else 1.5) for name, size in float32.items())
     tokens = max(g.tokens for family in plan_gears(model, options).values() for g in family)
-    activations = 16 * tokens * max(model.intermediate_size, model.hidden_size)
+    # a MoE layer holds top_k expanded rows per token: the tokens' copies, their gate/up and their outputs
+    moe_width = 0 if model.moe is None else model.moe.top_k * max(2 * model.moe.intermediate_size, model.hidden_size)
+    activations = 16 * tokens * max(model.intermediate_size, model.hidden_size, moe_width)
     # a bfloat16 graph's slices hold their linears widened to float32 (OnnxWeights.session_bytes)
     running = 2.5 * _largest_slice(model, float32 if config.model.dtype == "bfloat16" else stored) + activations
     if needs_float32:
