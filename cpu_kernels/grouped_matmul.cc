@@ -243,24 +243,17 @@ int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, cons
                       int64_t group_list_type, float *y, int64_t m, int64_t k, int64_t n, int64_t experts,
                       const pg_runner *runner) {
   if (k % (2 * kLanes)) return pg::fail("grouped matmul: K = " + std::to_string(k) + " is not a multiple of 16");
-  if (bfloat16) {
-    const auto *w = static_cast<const uint16_t *>(weight);
+  auto dense = [&](const auto *w) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
     return run(group_list, group_list_type, experts, x, y, m, k, n, runner,
                [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-                 dense_tile<uint16_t, kRows>(rx, w + e * n * k, k, n, c0, c1, ry);
+                 dense_tile<W, kRows>(rx, w + e * n * k, k, n, c0, c1, ry);
                },
                [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-                 dense_tile<uint16_t, 1>(rx, w + e * n * k, k, n, c0, c1, ry);
+                 dense_tile<W, 1>(rx, w + e * n * k, k, n, c0, c1, ry);
                });
-  }
-  const auto *w = static_cast<const float *>(weight);
-  return run(group_list, group_list_type, experts, x, y, m, k, n, runner,
-             [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-               dense_tile<float, kRows>(rx, w + e * n * k, k, n, c0, c1, ry);
-             },
-             [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-               dense_tile<float, 1>(rx, w + e * n * k, k, n, c0, c1, ry);
-             });
+  };
+  return bfloat16 ? dense(static_cast<const uint16_t *>(weight)) : dense(static_cast<const float *>(weight));
 }
 
 int pg_grouped_matmul_nbits(const float *x, const uint8_t *codes, const float *scales, const uint8_t *zero_points,

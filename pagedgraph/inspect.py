@@ -40,6 +40,7 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
         "model": {"architecture": model.architecture, "layers": model.num_layers, "hidden_size": model.hidden_size,
                   "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
                   "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
+                  "moe": None if model.moe is None else asdict(model.moe),
                   "source": manifest.export_config.get("model", {}).get("source")},
         "dtype": manifest.dtype,
         "block_size": manifest.block_size,
@@ -66,6 +67,9 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
              f"model         {m['architecture']}: {m['layers']} layers, hidden {m['hidden_size']}, "
              f"{m['heads']}/{m['kv_heads']} heads of {m['head_dim']}, vocab {m['vocab_size']}"
              f"{', tied embeddings' if m['tie_word_embeddings'] else ''}; from {m['source']}",
+             *([f"experts       {e['num_experts']} per sparse layer ({len(e['sparse_layers'])} of {m['layers']}), "
+                f"top-{e['top_k']}{' renormalized' if e['norm_topk_prob'] else ''}, {e['intermediate_size']} wide"]
+               if (e := m.get("moe")) else []),
              f"dtype         {record['dtype']}, block_size {record['block_size']}, "
              f"max_model_len {record['max_model_len']}"]
     tp = record.get("tensor_parallel", {"size": 1, "ranks": []})
