@@ -19,8 +19,9 @@ def graph_weight(config: ModelConfig, spec: GraphWeight, tensors: Mapping[str, W
                  dtype: str = "float32") -> Weight:
     """One graph parameter from the checkpoint tensors it is made of (`tensors` is read only for those).
 
-    Block-quantized weights stay quantized (fused along their rows); `weight_arrays` lays one out for a graph. With
-    `dtype` bfloat16 a float linear or embedding table is rounded to bfloat16."""
+    Block-quantized weights stay quantized (fused along their rows; a MoE router, float32 always, is dequantized);
+    `weight_arrays` lays one out for a graph. With `dtype` bfloat16 a float linear or embedding table is rounded to
+    bfloat16."""
     if spec.role.kind is Kind.TABLE:
         return rope_tables(config, max_positions)[ROPE_TABLES.index(spec.name)]
     if spec.experts:
@@ -28,7 +29,9 @@ def graph_weight(config: ModelConfig, spec: GraphWeight, tensors: Mapping[str, W
     parts = [tensors[source.name] for source in spec.sources]
     w = parts[0] if len(parts) == 1 else concat_rows(parts)
     if isinstance(w, (BlockQuantized, Int8PerChannel)):
-        return w
+        if spec.role.kind.matrix:
+            return w
+        w = w.dequantize()  # a router a file stores quantized: float32 as its graph reads it
     return _float(np.ascontiguousarray(w, dtype=np.float32), spec, dtype)
 
 

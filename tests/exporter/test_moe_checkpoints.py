@@ -60,11 +60,16 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    dims=QWEN3_MOE)
 
 
-@pytest.mark.parametrize("expert_type", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0])
+@pytest.mark.parametrize("expert_type,router_type", [(GGMLQuantizationType.Q8_0, None),
+                                                     (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)],
+                         ids=["q8_0 experts", "q4_0 experts, q8_0 router"])
 def test_qwen3moe_gguf_keeps_its_stacked_expert_blocks(qwen3_moe: Path, tmp_path: Path,
-                                                       expert_type: GGMLQuantizationType) -> None:
+                                                       expert_type: GGMLQuantizationType,
+                                                       router_type: GGMLQuantizationType | None) -> None:
+    """The experts' blocks kept, an expert at a time; a router stored quantized read back as float32 (the graph's
+    router is float32 always)."""
     path = tmp_path / "tiny-qwen3moe.gguf"
-    held = write_qwen3_moe_gguf(qwen3_moe, path, expert_type)
+    held = write_qwen3_moe_gguf(qwen3_moe, path, expert_type, router_type)
     checkpoint = read_checkpoint(path, keep_blocks=True)
     moe = checkpoint.config.moe
     assert checkpoint.config.architecture == "qwen3_moe" and moe is not None

@@ -86,11 +86,13 @@ def write_tiny_gguf(
     return hf
 
 
-def write_qwen3_moe_gguf(hf_dir: Path, path: Path, expert_type: GGMLQuantizationType) -> dict[str, np.ndarray]:
+def write_qwen3_moe_gguf(hf_dir: Path, path: Path, expert_type: GGMLQuantizationType,
+                         router_type: GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """The tiny Qwen3-MoE checkpoint in `hf_dir` (tests/tiny_models.py, experts one tensor each) written as llama.cpp's
     converter writes a `qwen3moe` GGUF: each layer's experts stacked into ffn_{gate,up,down}_exps ([E, rows, in]) in
-    `expert_type` blocks, everything else float32, the BPE tokenizer's vocabulary and merges. Returns the per-expert
-    HF tensors as the file holds them (`gguf.quants.dequantize`'s values), to load into the HF model."""
+    `expert_type` blocks, the routers in `router_type` blocks (float32 as the converter keeps them when None),
+    everything else float32, the BPE tokenizer's vocabulary and merges. Returns the HF tensors as the file holds them
+    (`gguf.quants.dequantize`'s values), to load into the HF model."""
     import json
 
     from safetensors.numpy import load_file
@@ -122,9 +124,15 @@ def write_qwen3_moe_gguf(hf_dir: Path, path: Path, expert_type: GGMLQuantization
     writer.add_eos_token_id(config["eos_token_id"])
     held: dict[str, np.ndarray] = {}
 
-    def add(gguf_name: str, hf_name: str) -> None:
-        writer.add_tensor(gguf_name, tensors[hf_name].astype(np.float32))
-        held[hf_name] = tensors[hf_name].astype(np.float32)
+    def add(gguf_name: str, hf_name: str, qtype: GGMLQuantizationType | None = None) -> None:
+        values = tensors[hf_name].astype(np.float32)
+        if qtype is None:
+            writer.add_tensor(gguf_name, values)
+            held[hf_name] = values
+            return
+        raw = quantize(values, qtype)
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        held[hf_name] = dequantize(raw, qtype).reshape(values.shape)
 
     add("token_embd.weight", "model.embed_tokens.weight")
     add("output_norm.weight", "model.norm.weight")
@@ -136,7 +144,7 @@ def write_qwen3_moe_gguf(hf_dir: Path, path: Path, expert_type: GGMLQuantization
     for layer in range(layers):
         p = f"model.layers.{layer}."
         for part, name in own.items():
-            add(f"blk.{layer}.{part}.weight", f"{p}{name}.weight")
+            add(f"blk.{layer}.{part}.weight", f"{p}{name}.weight", router_type if part == "ffn_gate_inp" else None)
         for part, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             names = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(experts)]
             raw = quantize(np.stack([tensors[n] for n in names]).astype(np.float32), expert_type)
