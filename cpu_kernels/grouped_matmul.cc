@@ -15,13 +15,13 @@
 // Work items are (expert group, chunk of kChunk columns); an item walks its group's rows in tiles of up to kRows,
 // reading each weight vector once for the tile. Nothing is allocated per call.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
-
-using pg::f32x8, pg::kLanes, pg::load8;
 
 namespace {
 
@@ -30,55 +30,126 @@ constexpr int64_t kMaxBlocks = 2048;  // blocks per input row (K / block_size)
 constexpr int64_t kChunk = 64;        // output columns per work item
 constexpr int kRows = 4;              // rows per tile
 
-// The lanes of v summed in one fixed order.
-inline float sum8(f32x8 v) {
-  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
-  return a + b;
+// One vector of kWidth floats: 16 (a zmm register) with AVX-512, else 8. Loads, the widening of bfloat16 weights
+// and 4/8-bit codes, as the target's own instructions (GCC turns generic conversions of narrow integers into a
+// scalar convert per element).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t kWidth = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+using Zero = __m512i;
+inline Zero zero_vector(int z) { return _mm512_set1_epi32(z); }
+inline vf loadv(const float *p) { return (vf)_mm512_loadu_ps(p); }
+inline vf bf16v(const uint16_t *p) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))), 16);
+}
+inline vf ints(__m128i bytes, Zero zero) { return (vf)_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), zero)); }
+#elif defined(__AVX2__)
+constexpr int64_t kWidth = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+using Zero = __m256i;
+inline Zero zero_vector(int z) { return _mm256_set1_epi32(z); }
+inline vf loadv(const float *p) { return (vf)_mm256_loadu_ps(p); }
+inline vf bf16v(const uint16_t *p) {
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), 16);
+}
+inline vf ints(__m128i bytes, Zero zero) { return (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), zero)); }
+#else
+constexpr int64_t kWidth = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+using Zero = int;
+inline Zero zero_vector(int z) { return z; }
+inline vf loadv(const float *p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf bf16v(const uint16_t *p) {
+  vf v;
+  for (int j = 0; j < kWidth; ++j) v[j] = pg::to_float(pg::bf16{p[j]});
+  return v;
+}
+#endif
+
+// kWidth codes minus the zero point, as floats: 8-bit codes a byte each, 4-bit ones two a byte (low nibble first).
+template <int Bits>
+inline vf codesv(const uint8_t *p, Zero zero) {
+#if defined(__AVX2__)
+  __m128i bytes;
+  if constexpr (Bits == 8) {
+    bytes = kWidth == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i *>(p))
+                         : _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p));
+  } else {
+    __m128i b;
+    if constexpr (kWidth == 16) {
+      b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p));
+    } else {
+      int32_t packed;
+      std::memcpy(&packed, p, sizeof packed);
+      b = _mm_cvtsi32_si128(packed);
+    }
+    const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    bytes = _mm_unpacklo_epi8(low, high);
+  }
+  return ints(bytes, zero);
+#else
+  vf v;
+  for (int j = 0; j < kWidth; ++j)
+    v[j] = static_cast<float>((Bits == 8 ? p[j] : (p[j / 2] >> (4 * (j & 1))) & 0x0F) - zero);
+  return v;
+#endif
 }
 
-// Eight bfloat16 weights widened, and eight inputs rounded to bfloat16 (to nearest even, as ml_dtypes).
-inline f32x8 bf16_8(const uint16_t *p) { return load8(reinterpret_cast<const pg::bf16 *>(p)); }
-
-inline f32x8 round_bf16(f32x8 v) {
-  const pg::i32x8 u = __builtin_bit_cast(pg::i32x8, v);
-  const pg::i32x8 rounded = (u + 0x7fff + ((u >> 16) & 1)) & ~0xffff;
-  return __builtin_bit_cast(f32x8, rounded);
+// The lanes of v summed in one fixed order (halves added until one lane is left).
+inline float sumv(vf v) {
+  float lanes[kWidth];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int64_t half = kWidth / 2; half > 0; half /= 2)
+    for (int64_t i = 0; i < half; ++i) lanes[i] += lanes[i + half];
+  return lanes[0];
 }
 
-// Eight weights of a float32 or bfloat16 expert row, and the input they multiply (rounded for bfloat16).
-inline f32x8 weight8(const float *p) { return load8(p); }
-inline f32x8 weight8(const uint16_t *p) { return bf16_8(p); }
-inline f32x8 input8(const float *p, const float *) { return load8(p); }
-inline f32x8 input8(const float *p, const uint16_t *) { return round_bf16(load8(p)); }
+// Inputs rounded to bfloat16 (to nearest even, as ml_dtypes) for a bfloat16 expert; float32 ones as they are.
+inline vf round_bf16(vf v) {
+  const vi u = __builtin_bit_cast(vi, v);
+  return __builtin_bit_cast(vf, (u + 0x7fff + ((u >> 16) & 1)) & ~0xffff);
+}
+inline vf weightv(const float *p) { return loadv(p); }
+inline vf weightv(const uint16_t *p) { return bf16v(p); }
+inline vf inputv(const float *p, const float *) { return loadv(p); }
+inline vf inputv(const float *p, const uint16_t *) { return round_bf16(loadv(p)); }
+
+// Columns per step: a one-row tile (decode) takes four (eight accumulator chains), a four-row tile two (sixteen
+// accumulators, within the 32 vector registers of AVX-512).
+template <int Rows>
+constexpr int kCols = Rows == 1 ? 4 : 2;
 
 // Rows [0, Rows) of a tile times columns [col, col + Cols) of a float32 or bfloat16 expert [N, K]. Each element has
 // two accumulators (the even and the odd vectors of its row: independent chains keep the FMA units busy when a
 // tile is one row), summed at the end; the same operations for every element whatever Rows and Cols are.
 template <class W, int Rows, int Cols>
 void dense_columns(const float *x, const W *w, int64_t k, int64_t n, int64_t col, float *y) {
-  f32x8 even[Rows][Cols] = {}, odd[Rows][Cols] = {};
-  for (int64_t j = 0; j < k; j += 2 * kLanes) {
-    f32x8 w0[Cols], w1[Cols];
-    for (int c = 0; c < Cols; ++c) {
-      w0[c] = weight8(w + (col + c) * k + j);
-      w1[c] = weight8(w + (col + c) * k + j + kLanes);
-    }
+  vf even[Rows][Cols] = {}, odd[Rows][Cols] = {};
+  auto step = [&](int64_t j, vf (&into)[Rows][Cols]) {
+    vf wv[Cols];
+    for (int c = 0; c < Cols; ++c) wv[c] = weightv(w + (col + c) * k + j);
     for (int r = 0; r < Rows; ++r) {
-      const f32x8 x0 = input8(x + r * k + j, w), x1 = input8(x + r * k + j + kLanes, w);
-      for (int c = 0; c < Cols; ++c) {
-        even[r][c] += x0 * w0[c];
-        odd[r][c] += x1 * w1[c];
-      }
+      const vf xv = inputv(x + r * k + j, w);
+      for (int c = 0; c < Cols; ++c) into[r][c] += xv * wv[c];
     }
+  };
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= k; j += 2 * kWidth) {
+    step(j, even);
+    step(j + kWidth, odd);
   }
+  if (j < k) step(j, even);
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) y[r * n + col + c] = sum8(even[r][c] + odd[r][c]);
+    for (int c = 0; c < Cols; ++c) y[r * n + col + c] = sumv(even[r][c] + odd[r][c]);
 }
-
-// Columns per step: a one-row tile (decode) takes four (eight accumulator chains), a four-row tile two (sixteen
-// accumulators, within AVX-512's 32 vector registers).
-template <int Rows>
-constexpr int kCols = Rows == 1 ? 4 : 2;
 
 template <class W, int Rows>
 void dense_tile(const float *x, const W *w, int64_t k, int64_t n, int64_t c0, int64_t c1, float *y) {
@@ -108,46 +179,14 @@ struct Quantized {
   }
 };
 
-// Eight codes minus the zero point, as floats: 8-bit codes from 8 bytes, 4-bit ones from 4 bytes (low nibble first).
-#if defined(__AVX2__)
-using Zero = __m256i;
-inline Zero zero_vector(int z) { return _mm256_set1_epi32(z); }
-
-template <int Bits>
-inline f32x8 codes8(const uint8_t *p, Zero zero) {
-  __m128i bytes;
-  if constexpr (Bits == 8) {
-    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p));
-  } else {
-    int32_t packed;
-    std::memcpy(&packed, p, sizeof packed);
-    const __m128i b = _mm_cvtsi32_si128(packed);
-    const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    bytes = _mm_unpacklo_epi8(low, high);
-  }
-  return (f32x8)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), zero));
-}
-#else
-using Zero = int;
-inline Zero zero_vector(int z) { return z; }
-
-template <int Bits>
-inline f32x8 codes8(const uint8_t *p, Zero zero) {
-  f32x8 v;
-  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>((Bits == 8 ? p[j] : (p[j / 2] >> (4 * (j & 1))) & 0x0F) - zero);
-  return v;
-}
-#endif
-
 // Rows [0, Rows) of a tile (their block sums in `sums`) times columns [col, col + Cols) of a block-quantized expert.
 // Within a block each element has two accumulators (even and odd vectors), their sum times the block's scale added
 // into the element's running vector; the same operations for every element whatever Rows and Cols are.
 template <int Bits, int Rows, int Cols>
 void quantized_columns(const float *x, const Quantized &e, const float (*sums)[kMaxBlocks], int64_t col, float *y) {
-  constexpr int64_t kBytes8 = Bits;  // bytes of eight codes
+  constexpr int64_t kBytes = kWidth * Bits / 8;  // bytes of one vector's codes
   const int64_t block_bytes = e.block_size * Bits / 8;
-  f32x8 acc[Rows][Cols] = {};
+  vf acc[Rows][Cols] = {};
   float extra[Rows][Cols] = {};
   for (int64_t b = 0; b < e.blocks; ++b) {
     Zero zero[Cols];
@@ -156,22 +195,22 @@ void quantized_columns(const float *x, const Quantized &e, const float (*sums)[k
       zero[c] = zero_vector(e.zero_point(col + c, b, Bits));
       codes[c] = e.codes + ((col + c) * e.blocks + b) * block_bytes;
     }
-    f32x8 even[Rows][Cols] = {}, odd[Rows][Cols] = {};
+    vf even[Rows][Cols] = {}, odd[Rows][Cols] = {};
     const float *xb = x + b * e.block_size;
-    for (int64_t j = 0; j < e.block_size; j += 2 * kLanes) {
-      f32x8 w0[Cols], w1[Cols];
-      for (int c = 0; c < Cols; ++c) {
-        w0[c] = codes8<Bits>(codes[c] + j / kLanes * kBytes8, zero[c]);
-        w1[c] = codes8<Bits>(codes[c] + (j / kLanes + 1) * kBytes8, zero[c]);
-      }
+    auto step = [&](int64_t j, vf (&into)[Rows][Cols]) {
+      vf wv[Cols];
+      for (int c = 0; c < Cols; ++c) wv[c] = codesv<Bits>(codes[c] + j / kWidth * kBytes, zero[c]);
       for (int r = 0; r < Rows; ++r) {
-        const f32x8 x0 = load8(xb + r * e.k + j), x1 = load8(xb + r * e.k + j + kLanes);
-        for (int c = 0; c < Cols; ++c) {
-          even[r][c] += x0 * w0[c];
-          odd[r][c] += x1 * w1[c];
-        }
+        const vf xv = loadv(xb + r * e.k + j);
+        for (int c = 0; c < Cols; ++c) into[r][c] += xv * wv[c];
       }
+    };
+    int64_t j = 0;
+    for (; j + 2 * kWidth <= e.block_size; j += 2 * kWidth) {
+      step(j, even);
+      step(j + kWidth, odd);
     }
+    if (j < e.block_size) step(j, even);
     for (int c = 0; c < Cols; ++c) {
       const float scale = e.scales[(col + c) * e.blocks + b], low = e.minimum(col + c, b);
       for (int r = 0; r < Rows; ++r) {
@@ -181,7 +220,7 @@ void quantized_columns(const float *x, const Quantized &e, const float (*sums)[k
     }
   }
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8(acc[r][c]) + extra[r][c];
+    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sumv(acc[r][c]) + extra[r][c];
 }
 
 template <int Bits, int Rows>
@@ -189,14 +228,148 @@ void quantized_tile(const float *x, const Quantized &e, int64_t c0, int64_t c1, 
   float sums[Rows][kMaxBlocks];  // each row's inputs summed per block (the minimum's term)
   for (int r = 0; r < Rows; ++r)
     for (int64_t b = 0; b < e.blocks; ++b) {
-      f32x8 acc{};
-      for (int64_t j = 0; j < e.block_size; j += kLanes) acc += load8(x + r * e.k + b * e.block_size + j);
-      sums[r][b] = sum8(acc);
+      vf acc{};
+      for (int64_t j = 0; j < e.block_size; j += kWidth) acc += loadv(x + r * e.k + b * e.block_size + j);
+      sums[r][b] = sumv(acc);
     }
   int64_t col = c0;
   for (; col + kCols<Rows> <= c1; col += kCols<Rows>) quantized_columns<Bits, Rows, kCols<Rows>>(x, e, sums, col, y);
   for (; col < c1; ++col) quantized_columns<Bits, Rows, 1>(x, e, sums, col, y);
 }
+
+// accuracy_level 4 (MatMulNBits' int8 compute): each row's inputs quantized to int8 per chunk of 32 (scale
+// max |x| / 127), each chunk's products with the codes summed exactly in int32 by VNNI (u8 codes x s8 inputs), then
+//   y[r, n] = sum over blocks b of scale[n, b] * (sum over chunks q of b of xscale[q] * (dot_q - zero_point * xsum_q))
+//             + minimum[n, b] * sum_j x[r, j]
+// with xsum_q the chunk's int8 inputs summed. 4-bit codes are used as the bytes hold them (the chunk's low nibbles,
+// then its high ones): each chunk of the row's int8 inputs is stored in that order instead. Blocks of a multiple
+// of 32 inputs; other forms, and CPUs without VNNI, compute in float32 (quantized_tile).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kInt8Dot = true;
+#else
+constexpr bool kInt8Dot = false;
+#endif
+constexpr int64_t kChunkK = 32;  // inputs per int8 chunk
+
+// Every row of x as int8 chunks, quantized once per call before the tiles read them: codes in the weight's byte
+// order, each chunk's scale, and per weight block the terms of the zero point and of the minimum.
+struct Int8Inputs {
+  int64_t k, chunks, blocks;
+  int8_t *q;          // [M, K]
+  float *scale;       // [M, chunks]
+  float *zero_term;   // [M, blocks]: sum over the block's chunks of scale * the chunk's int8 sum
+  float *sums;        // [M, blocks]: the float inputs summed (the minimum's term)
+
+  // Rows' storage in one buffer kept by the calling thread and grown to the largest call (reused, never freed).
+  static Int8Inputs of(int64_t m, int64_t k, int64_t blocks) {
+    thread_local std::vector<float> buffer;
+    const int64_t chunks = k / kChunkK, floats = m * (k / 4 + chunks + 2 * blocks);
+    if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+    float *at = buffer.data();
+    Int8Inputs in{k, chunks, blocks, reinterpret_cast<int8_t *>(at), nullptr, nullptr, nullptr};
+    at += m * k / 4;
+    in.scale = at;
+    in.zero_term = at + m * chunks;
+    in.sums = at + m * (chunks + blocks);
+    return in;
+  }
+
+  // Row r of x: 4-bit codes (byte i holds inputs 2i, low nibble, and 2i + 1) get each chunk's even inputs, then its
+  // odd ones, the order the kernel unpacks the codes in.
+  void quantize(const float *row, int64_t r, int bits, int64_t block_size) {
+    const int64_t per_block = block_size / kChunkK;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float zero = 0.f, total = 0.f;
+      for (int64_t c = b * per_block; c < (b + 1) * per_block; ++c) {
+        const float *chunk = row + c * kChunkK;
+        float peak = 0.f, sum = 0.f;
+        for (int64_t j = 0; j < kChunkK; ++j) {
+          peak = std::max(peak, std::abs(chunk[j]));
+          sum += chunk[j];
+        }
+        const float step = peak > 0.f ? peak / 127.f : 1.f;
+        int32_t qsum = 0;
+        for (int64_t j = 0; j < kChunkK; ++j) {
+          const int8_t v = static_cast<int8_t>(std::nearbyint(chunk[j] / step));
+          qsum += v;
+          q[r * k + c * kChunkK + (bits == 8 ? j : (j % 2) * (kChunkK / 2) + j / 2)] = v;
+        }
+        scale[r * chunks + c] = step;
+        zero += step * static_cast<float>(qsum);
+        total += sum;
+      }
+      zero_term[r * blocks + b] = zero;
+      sums[r * blocks + b] = total;
+    }
+  }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// 32 codes as unsigned bytes, in the order Int8Inputs stored the inputs.
+template <int Bits>
+inline __m256i codes32(const uint8_t *p) {
+  if constexpr (Bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+inline float sum8i(__m256 v) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, v);
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+// Rows [row, row + Rows) times columns [col, col + Cols), from the rows' int8 chunks.
+template <int Bits, int Rows, int Cols>
+void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t col, float *y) {
+  const int64_t block_bytes = e.block_size * Bits / 8, per_block = e.block_size / kChunkK;
+  __m256 acc[Rows][Cols];
+  float extra[Rows][Cols] = {};
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < e.blocks; ++b) {
+    __m256 part[Rows][Cols];
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < Cols; ++c) part[r][c] = _mm256_setzero_ps();
+    for (int64_t q = 0; q < per_block; ++q) {
+      const int64_t chunk = b * per_block + q;
+      __m256i codes[Cols];
+      for (int c = 0; c < Cols; ++c)
+        codes[c] = codes32<Bits>(e.codes + ((col + c) * e.blocks + b) * block_bytes + q * kChunkK * Bits / 8);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(in.q + (row + r) * in.k + chunk * kChunkK));
+        const __m256 scale = _mm256_set1_ps(in.scale[(row + r) * in.chunks + chunk]);
+        for (int c = 0; c < Cols; ++c) {
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[c], xq);
+          part[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, part[r][c]);
+        }
+      }
+    }
+    for (int c = 0; c < Cols; ++c) {
+      const float scale = e.scales[(col + c) * e.blocks + b], low = e.minimum(col + c, b);
+      const float zero = static_cast<float>(e.zero_point(col + c, b, Bits));
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t at = (row + r) * in.blocks + b;
+        acc[r][c] = _mm256_fmadd_ps(part[r][c], _mm256_set1_ps(scale), acc[r][c]);
+        extra[r][c] += low * in.sums[at] - scale * zero * in.zero_term[at];
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8i(acc[r][c]) + extra[r][c];
+}
+
+template <int Bits, int Rows>
+void int8_tile(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t c0, int64_t c1, float *y) {
+  int64_t col = c0;
+  for (; col + kCols<Rows> <= c1; col += kCols<Rows>) int8_columns<Bits, Rows, kCols<Rows>>(in, row, e, col, y);
+  for (; col < c1; ++col) int8_columns<Bits, Rows, 1>(in, row, e, col, y);
+}
+#else
+template <int Bits, int Rows>
+void int8_tile(const Int8Inputs &, int64_t, const Quantized &, int64_t, int64_t, float *) {}
+#endif
 
 // The groups of `group_list` as row bounds, and the experts that received rows; 0, or pg::fail's status.
 int groups_of(const int64_t *group_list, int64_t group_list_type, int64_t experts, int64_t m, int64_t *bounds,
@@ -242,7 +415,8 @@ extern "C" {
 int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, const int64_t *group_list,
                       int64_t group_list_type, float *y, int64_t m, int64_t k, int64_t n, int64_t experts,
                       const pg_runner *runner) {
-  if (k % (2 * kLanes)) return pg::fail("grouped matmul: K = " + std::to_string(k) + " is not a multiple of 16");
+  if (k % kWidth)
+    return pg::fail("grouped matmul: K = " + std::to_string(k) + " is not a multiple of " + std::to_string(kWidth));
   auto dense = [&](const auto *w) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
     return run(group_list, group_list_type, experts, x, y, m, k, n, runner,
@@ -260,7 +434,7 @@ int pg_grouped_matmul_nbits(const float *x, const uint8_t *codes, const float *s
                             int32_t zero_points_per_expert, const void *minimum_t, int32_t minimum_dtype,
                             int32_t minimum_per_expert, const int64_t *group_list, int64_t group_list_type, float *y,
                             int64_t m, int64_t k, int64_t n, int64_t experts, int64_t bits, int64_t block_size,
-                            const pg_runner *runner) {
+                            int32_t accuracy_level, const pg_runner *runner) {
   if ((bits != 4 && bits != 8) || block_size <= 0 || block_size % 16 || k % block_size ||
       k / block_size > kMaxBlocks || (minimum_dtype != PG_CACHE_FLOAT16 && minimum_dtype != PG_CACHE_FLOAT32))
     return pg::fail("grouped matmul (block-quantized): " + std::to_string(bits) + " bits (4 or 8), blocks of " +
@@ -275,10 +449,20 @@ int pg_grouped_matmul_nbits(const float *x, const uint8_t *codes, const float *s
                      static_cast<const char *>(minimum_t) + (minimum_per_expert ? e : 0) * blocks * n * minimum_size,
                      k, n, block_size, blocks, zero_width, minimum_dtype == PG_CACHE_FLOAT16};
   };
+  const bool int8 = kInt8Dot && accuracy_level == 4 && block_size % kChunkK == 0;
+  Int8Inputs in{};
+  if (int8) {  // every row quantized once, before the tiles
+    in = Int8Inputs::of(m, k, blocks);
+    pg::parallel_for(runner, m, [&](int64_t r) { in.quantize(x + r * k, r, static_cast<int>(bits), block_size); });
+  }
   auto tiles = [&](auto rows) {
     return [&, rows](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
       constexpr int kTile = decltype(rows)::value;
-      if (bits == 8)
+      if (int8 && bits == 8)
+        int8_tile<8, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
+      else if (int8)
+        int8_tile<4, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
+      else if (bits == 8)
         quantized_tile<8, kTile>(rx, expert(e), c0, c1, ry);
       else
         quantized_tile<4, kTile>(rx, expert(e), c0, c1, ry);

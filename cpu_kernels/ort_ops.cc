@@ -440,13 +440,14 @@ struct GroupedMatmulNBits {
   static constexpr const char *name = "GroupedMatmulNBits";
   static constexpr ONNXTensorElementDataType inputs[] = {F32, U8, F32, U8, ANY, I64};
   static constexpr ONNXTensorElementDataType outputs[] = {F32};
-  int64_t k = 0, n = 0, bits = 0, block_size = 0, group_list_type = 0;
+  int64_t k = 0, n = 0, bits = 0, block_size = 0, group_list_type = 0, accuracy_level = 0;
 
   OrtStatus *init(const OrtKernelInfo *info) {
     RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "K", &k));
     RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "N", &n));
     RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "bits", &bits));
     RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "block_size", &block_size));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy_level));
     return api->KernelInfoGetAttribute_int64(info, "group_list_type", &group_list_type);
   }
 
@@ -482,7 +483,8 @@ struct GroupedMatmulNBits {
     return kernel_status(pg_grouped_matmul_nbits(
         x.data, codes.data, scales.data, zero_points.data, zero_experts == experts, minimum_t.data,
         minimum_t.type == F16 ? PG_CACHE_FLOAT16 : PG_CACHE_FLOAT32, minimum_experts == experts, group_list.data,
-        group_list_type, out, x.shape[0], k, n, experts, bits, block_size, &runner));
+        group_list_type, out, x.shape[0], k, n, experts, bits, block_size, static_cast<int32_t>(accuracy_level),
+        &runner));
   }
 };
 

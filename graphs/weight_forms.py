@@ -50,15 +50,15 @@ class WeightForms:
 
     def grouped_linear(self, b: OpBuilder[T], x: T, name: str, group_list: T) -> T:
         """GroupedMatmul over a stack of experts (graphs/moe.py) in the variant of its form: float32, bfloat16 or
-        block-quantized (whose form is one expert's [N, K]). The block-quantized variant computes in float32
-        (accuracy_level 0): its kernel dequantizes the chosen experts' blocks as it multiplies."""
+        block-quantized (whose form is one expert's [N, K]; its compute follows `accuracy_level`, as the linears'
+        does: 4 multiplies int8 inputs, 0 float32 ones)."""
         form = self.forms.get(name)
         if isinstance(form, DenseForm) and form.dtype == BFLOAT16.name:
             return b.emit(ops.GROUPED_MATMUL_BF16, x, b.weight(name), group_list, group_list_type=GROUP_COUNT)
         if isinstance(form, BlockForm):
             return b.emit(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, x, *self._parts(b, name, form), group_list,
                           K=form.shape[1], N=form.shape[0], bits=form.bits, block_size=form.block_size,
-                          accuracy_level=0, group_list_type=GROUP_COUNT)
+                          accuracy_level=self.accuracy_level, group_list_type=GROUP_COUNT)
         return b.emit(ops.GROUPED_MATMUL, x, b.weight(name), group_list, group_list_type=GROUP_COUNT)
 
     def gather(self, b: OpBuilder[T], name: str, indices: T) -> T:
