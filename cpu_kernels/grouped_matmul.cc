@@ -122,7 +122,7 @@ inline vf weightv(const uint16_t *p) { return bf16v(p); }
 inline vf inputv(const float *p, const float *) { return loadv(p); }
 inline vf inputv(const float *p, const uint16_t *) { return round_bf16(loadv(p)); }
 
-// Columns per step: a one-row tile (decode) takes four (eight accumulator chains), a four-row tile two (sixteen
+// Columns per step: a one-row tile (decode) takes four (eight accumulator chains), wider tiles two (at most sixteen
 // accumulators, within the 32 vector registers of AVX-512).
 template <int Rows>
 constexpr int kCols = Rows == 1 ? 4 : 2;
@@ -390,11 +390,11 @@ int groups_of(const int64_t *group_list, int64_t group_list_type, int64_t expert
   return 0;
 }
 
-// tile(rows of x, expert, c0, c1, rows of y) over every (group, column chunk), rows in tiles of kRows then one by
-// one; rows past the groups are zeroed.
-template <class Tile, class OneRow>
+// tile(rows, expert, rows of x, c0, c1, rows of y) over every (group, column chunk): the group's rows in tiles of
+// kRows, then of two, then one (`rows` an integral_constant); rows past the groups are zeroed.
+template <class Tile>
 int run(const int64_t *group_list, int64_t group_list_type, int64_t experts, const float *x, float *y, int64_t m,
-        int64_t k, int64_t n, const pg_runner *runner, const Tile &tile, const OneRow &one_row) {
+        int64_t k, int64_t n, const pg_runner *runner, const Tile &tile) {
   int64_t bounds[kMaxGroups + 1], used[kMaxGroups], groups = 0;
   if (int rc = groups_of(group_list, group_list_type, experts, m, bounds, used, groups)) return rc;
   if (bounds[experts] < m) std::memset(y + bounds[experts] * n, 0, sizeof(float) * (m - bounds[experts]) * n);
@@ -402,8 +402,12 @@ int run(const int64_t *group_list, int64_t group_list_type, int64_t experts, con
   pg::parallel_for(runner, groups * chunks, [&](int64_t work) {
     const int64_t e = used[work / chunks], c0 = (work % chunks) * kChunk, c1 = std::min(n, c0 + kChunk);
     int64_t r = bounds[e];
-    for (; r + kRows <= bounds[e + 1]; r += kRows) tile(e, x + r * k, c0, c1, y + r * n);
-    for (; r < bounds[e + 1]; ++r) one_row(e, x + r * k, c0, c1, y + r * n);
+    for (; r + kRows <= bounds[e + 1]; r += kRows) tile(std::integral_constant<int, kRows>{}, e, x + r * k, c0, c1, y + r * n);
+    if (r + 2 <= bounds[e + 1]) {  // two rows (a decode's row and its padding copy) read the weights once
+      tile(std::integral_constant<int, 2>{}, e, x + r * k, c0, c1, y + r * n);
+      r += 2;
+    }
+    if (r < bounds[e + 1]) tile(std::integral_constant<int, 1>{}, e, x + r * k, c0, c1, y + r * n);
   });
   return 0;
 }
@@ -420,11 +424,8 @@ int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, cons
   auto dense = [&](const auto *w) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
     return run(group_list, group_list_type, experts, x, y, m, k, n, runner,
-               [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-                 dense_tile<W, kRows>(rx, w + e * n * k, k, n, c0, c1, ry);
-               },
-               [&](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-                 dense_tile<W, 1>(rx, w + e * n * k, k, n, c0, c1, ry);
+               [&](auto rows, int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
+                 dense_tile<W, decltype(rows)::value>(rx, w + e * n * k, k, n, c0, c1, ry);
                });
   };
   return bfloat16 ? dense(static_cast<const uint16_t *>(weight)) : dense(static_cast<const float *>(weight));
@@ -455,20 +456,17 @@ int pg_grouped_matmul_nbits(const float *x, const uint8_t *codes, const float *s
     in = Int8Inputs::of(m, k, blocks);
     pg::parallel_for(runner, m, [&](int64_t r) { in.quantize(x + r * k, r, static_cast<int>(bits), block_size); });
   }
-  auto tiles = [&](auto rows) {
-    return [&, rows](int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
-      constexpr int kTile = decltype(rows)::value;
-      if (int8 && bits == 8)
-        int8_tile<8, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
-      else if (int8)
-        int8_tile<4, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
-      else if (bits == 8)
-        quantized_tile<8, kTile>(rx, expert(e), c0, c1, ry);
-      else
-        quantized_tile<4, kTile>(rx, expert(e), c0, c1, ry);
-    };
-  };
-  return run(group_list, group_list_type, experts, x, y, m, k, n, runner, tiles(std::integral_constant<int, kRows>{}),
-             tiles(std::integral_constant<int, 1>{}));
+  return run(group_list, group_list_type, experts, x, y, m, k, n, runner,
+             [&](auto rows, int64_t e, const float *rx, int64_t c0, int64_t c1, float *ry) {
+               constexpr int kTile = decltype(rows)::value;
+               if (int8 && bits == 8)
+                 int8_tile<8, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
+               else if (int8)
+                 int8_tile<4, kTile>(in, (rx - x) / k, expert(e), c0, c1, ry);
+               else if (bits == 8)
+                 quantized_tile<8, kTile>(rx, expert(e), c0, c1, ry);
+               else
+                 quantized_tile<4, kTile>(rx, expert(e), c0, c1, ry);
+             });
 }
 }
