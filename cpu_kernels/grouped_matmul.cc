@@ -179,15 +179,33 @@ struct Quantized {
   }
 };
 
+// The minimum's term of rows [0, Rows) and columns [c0, c1): sum over blocks b of minimum[b, col] * the row's
+// inputs summed over b, block by block across the columns (minimum_t holds a block's columns side by side).
+template <int Rows, class Sums>
+void minimum_terms(const Quantized &e, const Sums &sums, int64_t c0, int64_t c1, float (&out)[Rows][kChunk]) {
+  for (int r = 0; r < Rows; ++r) std::fill(out[r], out[r] + (c1 - c0), 0.f);
+  const int64_t vectors = (c1 - c0) / pg::kLanes * pg::kLanes;
+  for (int64_t b = 0; b < e.blocks; ++b) {
+    const int64_t at = b * e.n + c0;
+    for (int64_t c = 0; c < vectors; c += pg::kLanes) {  // eight minima widened at once (F16C for float16)
+      const pg::f32x8 low = e.minimum_f16 ? pg::load8(static_cast<const _Float16 *>(e.minimum_t) + at + c)
+                                          : pg::load8(static_cast<const float *>(e.minimum_t) + at + c);
+      for (int r = 0; r < Rows; ++r) pg::store8(out[r] + c, pg::load8(out[r] + c) + low * sums(r, b));
+    }
+    for (int64_t c = vectors; c < c1 - c0; ++c)
+      for (int r = 0; r < Rows; ++r) out[r][c] += e.minimum(c0 + c, b) * sums(r, b);
+  }
+}
+
 // Rows [0, Rows) of a tile (their block sums in `sums`) times columns [col, col + Cols) of a block-quantized expert.
 // Within a block each element has two accumulators (even and odd vectors), their sum times the block's scale added
 // into the element's running vector; the same operations for every element whatever Rows and Cols are.
 template <int Bits, int Rows, int Cols>
-void quantized_columns(const float *x, const Quantized &e, const float (*sums)[kMaxBlocks], int64_t col, float *y) {
+void quantized_columns(const float *x, const Quantized &e, const float (*minimum)[kChunk], int64_t c0, int64_t col,
+                       float *y) {
   constexpr int64_t kBytes = kWidth * Bits / 8;  // bytes of one vector's codes
   const int64_t block_bytes = e.block_size * Bits / 8;
   vf acc[Rows][Cols] = {};
-  float extra[Rows][Cols] = {};
   for (int64_t b = 0; b < e.blocks; ++b) {
     Zero zero[Cols];
     const uint8_t *codes[Cols];
@@ -212,15 +230,12 @@ void quantized_columns(const float *x, const Quantized &e, const float (*sums)[k
     }
     if (j < e.block_size) step(j, even);
     for (int c = 0; c < Cols; ++c) {
-      const float scale = e.scales[(col + c) * e.blocks + b], low = e.minimum(col + c, b);
-      for (int r = 0; r < Rows; ++r) {
-        acc[r][c] += (even[r][c] + odd[r][c]) * scale;
-        extra[r][c] += low * sums[r][b];
-      }
+      const float scale = e.scales[(col + c) * e.blocks + b];
+      for (int r = 0; r < Rows; ++r) acc[r][c] += (even[r][c] + odd[r][c]) * scale;
     }
   }
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sumv(acc[r][c]) + extra[r][c];
+    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sumv(acc[r][c]) + minimum[r][col + c - c0];
 }
 
 template <int Bits, int Rows>
@@ -232,9 +247,12 @@ void quantized_tile(const float *x, const Quantized &e, int64_t c0, int64_t c1, 
       for (int64_t j = 0; j < e.block_size; j += kWidth) acc += loadv(x + r * e.k + b * e.block_size + j);
       sums[r][b] = sumv(acc);
     }
+  float minimum[Rows][kChunk];
+  minimum_terms<Rows>(e, [&](int r, int64_t b) { return sums[r][b]; }, c0, c1, minimum);
   int64_t col = c0;
-  for (; col + kCols<Rows> <= c1; col += kCols<Rows>) quantized_columns<Bits, Rows, kCols<Rows>>(x, e, sums, col, y);
-  for (; col < c1; ++col) quantized_columns<Bits, Rows, 1>(x, e, sums, col, y);
+  for (; col + kCols<Rows> <= c1; col += kCols<Rows>)
+    quantized_columns<Bits, Rows, kCols<Rows>>(x, e, minimum, c0, col, y);
+  for (; col < c1; ++col) quantized_columns<Bits, Rows, 1>(x, e, minimum, c0, col, y);
 }
 
 // accuracy_level 4 (MatMulNBits' int8 compute): each row's inputs quantized to int8 per chunk of 32 (scale
@@ -322,7 +340,8 @@ inline float sum8i(__m256 v) {
 
 // Rows [row, row + Rows) times columns [col, col + Cols), from the rows' int8 chunks.
 template <int Bits, int Rows, int Cols>
-void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t col, float *y) {
+void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, const float (*minimum)[kChunk], int64_t c0,
+                  int64_t col, float *y) {
   const int64_t block_bytes = e.block_size * Bits / 8, per_block = e.block_size / kChunkK;
   __m256 acc[Rows][Cols];
   float extra[Rows][Cols] = {};
@@ -347,24 +366,26 @@ void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t
       }
     }
     for (int c = 0; c < Cols; ++c) {
-      const float scale = e.scales[(col + c) * e.blocks + b], low = e.minimum(col + c, b);
+      const float scale = e.scales[(col + c) * e.blocks + b];
       const float zero = static_cast<float>(e.zero_point(col + c, b, Bits));
       for (int r = 0; r < Rows; ++r) {
-        const int64_t at = (row + r) * in.blocks + b;
         acc[r][c] = _mm256_fmadd_ps(part[r][c], _mm256_set1_ps(scale), acc[r][c]);
-        extra[r][c] += low * in.sums[at] - scale * zero * in.zero_term[at];
+        extra[r][c] -= scale * zero * in.zero_term[(row + r) * in.blocks + b];
       }
     }
   }
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8i(acc[r][c]) + extra[r][c];
+    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8i(acc[r][c]) + extra[r][c] + minimum[r][col + c - c0];
 }
 
 template <int Bits, int Rows>
 void int8_tile(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t c0, int64_t c1, float *y) {
+  float minimum[Rows][kChunk];
+  minimum_terms<Rows>(e, [&](int r, int64_t b) { return in.sums[(row + r) * in.blocks + b]; }, c0, c1, minimum);
   int64_t col = c0;
-  for (; col + kCols<Rows> <= c1; col += kCols<Rows>) int8_columns<Bits, Rows, kCols<Rows>>(in, row, e, col, y);
-  for (; col < c1; ++col) int8_columns<Bits, Rows, 1>(in, row, e, col, y);
+  for (; col + kCols<Rows> <= c1; col += kCols<Rows>)
+    int8_columns<Bits, Rows, kCols<Rows>>(in, row, e, minimum, c0, col, y);
+  for (; col < c1; ++col) int8_columns<Bits, Rows, 1>(in, row, e, minimum, c0, col, y);
 }
 #else
 template <int Bits, int Rows>

@@ -27,7 +27,10 @@ GiB = 1 << 30
 BASELINE = 600 << 20  # Python, numpy, onnx, onnxruntime and tokenizers loaded (docs/performance.md, export memory)
 GRAPH_MARGIN = 64 << 20  # per graph file: nodes and function bodies, no weights
 # Stored bytes per weight, at most, of each precision's linears (codes + per-block scales, minima, zero points).
-_BYTES_PER_WEIGHT = {"w8a16": 1.25, "w8a8": 1.25, "w4a16": 1.0}
+# (w4a16's embedding and LM head are int8 per channel; its linears take _W4A16_GROUP_BYTES)
+_BYTES_PER_WEIGHT = {"w8a16": 1.25, "w8a8": 1.25, "w4a16": 1.25}
+# w4a16's linears: half a byte per code, and per group a float32 scale, a float32 minimum at most, a zero point byte
+_W4A16_GROUP_BYTES = 9
 # A checkpoint's own blocks (gguf, gptq, awq) as stored here, against their size in the checkpoint file: float32
 # scales for float16 ones, zero points unpacked to a byte per block.
 _PREQUANTIZED_GROWTH = 1.5
@@ -55,7 +58,7 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
     """Upper estimates for exporting `model` with `config` from a checkpoint of `checkpoint_bytes` on disk."""
     options, quantization = config.export, config.model.quantization
     params, table = graph_weight_params(model, options.max_model_len), models.weight_table(model)
-    stored = {name: _stored_bytes(table[name].role.kind, n, quantization, config.model.dtype)
+    stored = {name: _stored_bytes(table[name].role.kind, n, quantization, config.model.dtype, config.model.group_size)
               for name, n in params.items()}
     if quantization in ("gguf", "gptq", "awq"):
         artifact = int(checkpoint_bytes * _PREQUANTIZED_GROWTH)
@@ -90,7 +93,9 @@ def _largest_slice(model: ModelConfig, nbytes: Mapping[str, int]) -> int:
     return min(max(SLICE_BYTES, layer + ends), sum(nbytes.values()))
 
 
-def _stored_bytes(kind: Kind, params: int, quantization: str, dtype: str) -> int:
+def _stored_bytes(kind: Kind, params: int, quantization: str, dtype: str, group_size: int) -> int:
+    if kind is Kind.LINEAR and quantization == "w4a16":
+        return int(params * (0.5 + _W4A16_GROUP_BYTES / group_size))
     if kind.matrix and quantization in _BYTES_PER_WEIGHT:
         return int(params * _BYTES_PER_WEIGHT[quantization])
     if kind.matrix and dtype == "bfloat16":
