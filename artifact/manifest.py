@@ -103,6 +103,12 @@ class Manifest:
         return self.quantization != "none"
 
     @property
+    def ladder_plan(self) -> dict[str, Any] | None:
+        """export.buckets.plan: the traffic `pagedgraph plan` fitted the ladders to and the padding it expects;
+        None for hand-picked ladders."""
+        return self.export_config.get("export", {}).get("buckets", {}).get("plan")
+
+    @property
     def sampling_defaults(self) -> dict[str, Any]:
         """The generation defaults' values, under SamplingParams' names."""
         return {name: entry["value"] for name, entry in self.generation_defaults.items()}

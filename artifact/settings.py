@@ -1,8 +1,9 @@
 """YAML -> typed settings with one error style: the field path, the value, and what is allowed."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -63,3 +64,18 @@ def with_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> di
             node = node.setdefault(key, {})
         node[leaf] = value
     return data
+
+
+def json_lines(path: Path, error: type[ValueError] = ConfigError) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each non-blank line of a JSON Lines file as (`path:line`, its object); `error` names the line otherwise."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(item, dict):
+            raise error(f"{where}: each line must be a JSON object")
+        yield where, item

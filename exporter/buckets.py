@@ -5,7 +5,7 @@ import math
 
 from .config import ExportOptions
 from ..graphs.config import ModelConfig
-from ..graphs.contract import DECODE, PREFILL, Gear
+from ..graphs.contract import Gear, ladder_gears
 
 MAX_GEARS_PER_FAMILY = 100  # ATC --dynamic_dims
 
@@ -44,13 +44,9 @@ def plan_gears(model: ModelConfig, options: ExportOptions) -> dict[str, tuple[Ge
     if options.max_model_len > model.max_position_embeddings:
         raise BucketError(f"export.max_model_len = {options.max_model_len} exceeds the model's "
                           f"max_position_embeddings {model.max_position_embeddings}")
-    blocks = context_ladder(options)
     ladders = options.buckets
-    gears = {
-        PREFILL: tuple(Gear(t, min(ladders.prefill_max_seqs, t), m)
-                       for t in sorted(set(ladders.prefill_tokens) | set(ladders.verify_tokens)) for m in blocks),
-        DECODE: tuple(Gear(b, b, m) for b in ladders.decode_batch for m in blocks),
-    }
+    gears = ladder_gears(ladders.decode_batch, [*ladders.prefill_tokens, *ladders.verify_tokens],
+                         ladders.prefill_max_seqs, context_ladder(options))
     for family, family_gears in gears.items():
         if len(family_gears) > MAX_GEARS_PER_FAMILY:
             raise BucketError(f"the {family} family has {len(family_gears)} gears (ladder x context_blocks); "

@@ -56,6 +56,29 @@ class ModelSource(Settings):
         return self
 
 
+class LadderPlanRecord(Settings):
+    """What `pagedgraph plan` fitted the ladders to and what it expects of them (runtime/ladder_plan.py): kept in the
+    artifact's manifest, shown by `pagedgraph inspect`, and served on /metrics beside the live padding waste."""
+
+    trace: str = Field(description="the trace the ladders were fitted to (JSON lines of prompt_tokens and "
+                                   "completion_tokens), as given to `pagedgraph plan`")
+    trace_sha256: str = Field(description="the trace file's digest")
+    requests: int = Field(ge=1, description="requests in the trace")
+    prompt_tokens: int = Field(ge=0, description="their prompt tokens")
+    completion_tokens: int = Field(ge=0, description="their completion tokens")
+    steps: int = Field(ge=0, description="engine steps the replay of the trace took")
+    expected_padding_waste: float = Field(
+        ge=0, description="tokens the graphs compute / real tokens - 1 on the replayed trace with these ladders "
+                          "(what `pagedgraph bench --workload trace` measures as padding_waste)")
+    padding_waste_before: float = Field(ge=0, description="the same with the ladders the config had before")
+    context_padding: float = Field(ge=0, description="context blocks of the gears / of the steps' longest block "
+                                                     "tables - 1 (what attention reads where it reads the gear's M)")
+    gears: dict[str, int] = Field(description="gears per family with these ladders")
+    limits: dict[str, int | bool | None] = Field(
+        description="the scheduler and KV settings of the replay (the deployment's, clamped to the largest gears)")
+    budget: dict[str, int | float | None] = Field(description="the gear budget the plan kept to")
+
+
 class BucketLadders(Settings):
     decode_batch: list[int] = list(DEFAULT_DECODE_BATCHES)
     prefill_tokens: list[int] = list(DEFAULT_PREFILL_TOKENS)
@@ -66,6 +89,9 @@ class BucketLadders(Settings):
                                           "to 7 at B <= 4; each T joins the prefill ladder (B = min(T, prefill_max_seqs) rows)")
     context_blocks: list[int] | None = Field(
         None, description="blocks-per-sequence ladder (M); default: powers of two up to max_model_len/block_size")
+    plan: LadderPlanRecord | None = Field(
+        None, description="written by `pagedgraph plan` (or `export --trace`): the traffic these ladders were fitted "
+                          "to and the padding expected of them; absent: hand-picked ladders")
 
     @model_validator(mode="after")
     def _ascending(self) -> "BucketLadders":

@@ -6,6 +6,7 @@ manifest and the runtime packer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -52,6 +53,10 @@ class Gear:
     seqs: int
     blocks: int
 
+    def label(self, family: str) -> str:
+        """How metrics and benchmarks name the gear: `decode:T16xB16xM8`."""
+        return f"{family}:T{self.tokens}xB{self.seqs}xM{self.blocks}"
+
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
         return {
             INPUT_IDS: (self.tokens,),
@@ -62,6 +67,17 @@ class Gear:
             CU_SEQLENS_Q: (self.seqs + 1,),
             LOGITS_INDICES: (self.seqs,),
         }
+
+
+def ladder_gears(decode_batch: Iterable[int], prefill_tokens: Iterable[int], prefill_max_seqs: int,
+                 context_blocks: Iterable[int]) -> dict[str, tuple[Gear, ...]]:
+    """The gears of each family from its ladders: every rung at every context-block size M; a decode gear feeds
+    one token per sequence (T = B), a prefill gear T packed tokens of at most `prefill_max_seqs` sequences."""
+    blocks = sorted(set(context_blocks))
+    return {
+        PREFILL: tuple(Gear(t, min(prefill_max_seqs, t), m) for t in sorted(set(prefill_tokens)) for m in blocks),
+        DECODE: tuple(Gear(b, b, m) for b in sorted(set(decode_batch)) for m in blocks),
+    }
 
 
 INPUT_DTYPES: dict[str, type] = {

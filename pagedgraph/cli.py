@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .artifact.settings import ConfigError, validate, with_overrides
+from .artifact.settings import ConfigError, json_lines, validate, with_overrides
 from .graphs.kv_cache import KV_CACHE_DTYPES
 from . import __version__
 from .texts import shipped_text
@@ -51,23 +51,38 @@ def _export(args: argparse.Namespace) -> int:
                                           "export.target": args.target, "export.baseline": args.baseline,
                                           "model.dtype": args.dtype, "model.quantization": args.quantization,
                                           "export.tensor_parallel_size": args.tensor_parallel_size})
+    if args.trace is not None:
+        config = _planned(config, args)
     export(config, args.out, force=args.force, verbose=args.verbose, calibration_text=shipped_text("calibration"))
     return 0
 
 
+def _planned(config: Any, args: argparse.Namespace) -> Any:
+    """`config` with export.buckets fitted to --trace; prints the plan's table."""
+    from .plan import planned_config
+    from .runtime.deploy_config import load_deployment
+    from .runtime.ladder_plan import MAX_GEARS_PER_FAMILY, PlanBudget
+
+    deployment = load_deployment(args.deploy) if args.deploy else None
+    budget = PlanBudget(args.max_gears_per_family or MAX_GEARS_PER_FAMILY, args.max_gears, args.context_gears,
+                        args.max_rung_ratio)
+    config, plan = planned_config(config, args.trace, deployment, budget)
+    print(f"ladders fitted to {args.trace}:\n{plan.table()}", file=sys.stderr)
+    return config
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import write_config
+
+    config = _planned(_export_config(args.config, {}), args)
+    write_config(config, args.out, args.trace)
+    print(f"wrote {args.out}: export.buckets fitted to {args.trace}; export it with "
+          f"`pagedgraph export --config {args.out} --out ART`", file=sys.stderr)
+    return 0
+
+
 def _read_requests(path: Path) -> list[dict[str, Any]]:
-    requests = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise ConfigError(f"{path}:{number}: each line must be a JSON object")
-        requests.append(item)
-    return requests
+    return [item for _, item in json_lines(path)]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -117,6 +132,18 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print("\n".join(lines))
     return 1 if len(rejected) == len(requests) else 0
+
+
+def _json_flag(text: str | None, flag: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} {text!r}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} {text!r}: give a JSON object, e.g. '{{\"decode_batch\": [1, 4, 16, 32]}}'")
+    return value
 
 
 def _speculative_json(text: str | None) -> dict[str, Any] | None:
@@ -263,8 +290,9 @@ def _bench(args: argparse.Namespace) -> int:
                            naive_batch=args.naive_batch, threads=args.threads, executor=args.executor,
                            custom_ops=args.custom_ops, kv_cache_dtype=args.kv_cache_dtype, chunk_tokens=args.chunk_tokens,
                            micro=not (args.no_micro or self_compared), prefixes=args.prefixes,
-                           speculative_config=_speculative_json(args.speculative_config),
-                           invariance_rounds=args.invariance_rounds)
+                           speculative_config=_speculative_json(args.speculative_config), trace=args.trace,
+                           invariance_rounds=args.invariance_rounds, compare_rounds=args.compare_rounds,
+                           compare_buckets=_json_flag(args.compare_buckets, "--compare-buckets"))
     results = run_bench(options)
     print(text_table(results))
     if args.json:
@@ -361,6 +389,21 @@ def _custom_ops_flag(parser: argparse.ArgumentParser, default: str | None, what:
                              f"they build, else warn and fall back; on: or fail; off: their ONNX function bodies)")
 
 
+def _plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deploy", help="deployment YAML whose scheduler and kv_cache settings the trace is replayed "
+                                         "with (default: the deployment defaults, docs/server.md)")
+    parser.add_argument("--max-gears-per-family", type=int, dest="max_gears_per_family",
+                        help="gears per family at most, rungs x context-block sizes (default: 100, ATC's limit)")
+    parser.add_argument("--max-gears", type=int, dest="max_gears",
+                        help="gears of all families at most: each is a MINDIR/ATC compile and a first-step warm-up "
+                             "(default: twice --max-gears-per-family)")
+    parser.add_argument("--context-gears", type=int, dest="context_gears",
+                        help="rungs of the context-block ladder (default: as many as the config's)")
+    parser.add_argument("--max-rung-ratio", type=float, dest="max_rung_ratio", default=2.0,
+                        help="consecutive rungs at most this far apart, so a size the trace lacks pads at most this "
+                             "much")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedgraph", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagedgraph {__version__}")
@@ -395,7 +438,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="override export.tensor_parallel_size: one graph set per rank, the model split over them "
                         "(default: the YAML's, else 1)")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
+    p.add_argument("--trace", help="fit export.buckets to this traffic first, as `pagedgraph plan` does (default: "
+                                   "the YAML's ladders)")
+    _plan_flags(p)
     p.set_defaults(func=_export)
+
+    p = command("plan", "fit an export config's bucket ladders to a traffic trace: the least padded work under a gear "
+                        "budget")
+    p.add_argument("--trace", required=True,
+                   help='JSON Lines, one request each: {"prompt_tokens": N, "completion_tokens": M} (what '
+                        "server.request_log records)")
+    p.add_argument("--config", help="the export YAML to plan for (default: the built-in defaults)")
+    p.add_argument("--out", required=True, help="where to write the export YAML with export.buckets replaced")
+    _plan_flags(p)
+    p.set_defaults(func=_plan)
 
     p = command("generate", "generate from an artifact with the paged, packed runtime")
     p.add_argument("--artifact", required=True, help="an exported artifact directory (pagedgraph export --out)")
@@ -474,12 +530,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, help="--url: requests in flight at once (default: all)")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="--url: the server's API key (default: $PAGEDGRAPH_API_KEY, else none)")
-    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress", "copy"], default="mixed",
+    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress", "copy", "trace"],
+                   default="mixed",
                    help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
                         "off (needs a 4,096-token artifact: configs/smollm2-long.yaml); copy: one request at a time "
                         "whose answer quotes its prompt (code edits, typo fixes, extraction), for "
-                        "--speculative-config")
-    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17; copy 9)")
+                        "--speculative-config; trace: --trace's requests at t=0, random prompts of their lengths "
+                        "(what `pagedgraph plan` replays)")
+    p.add_argument("--trace", help="trace: JSON Lines of prompt_tokens and completion_tokens (server.request_log)")
+    p.add_argument("--requests", type=int, help="number of requests (default: 64; shared-prefix 32; stress 17; copy 9; "
+                                                "trace all)")
     p.add_argument("--rate", type=float, default=2.0, help="poisson arrival rate, requests/s")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--baseline", choices=["naive", "none"],
@@ -496,6 +556,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariance-cost", type=int, dest="invariance_rounds", default=0, metavar="ROUNDS",
                    help="also run ROUNDS rounds of the workload with scheduler.batch_invariant on and off, alternating, "
                         "on two warmed engines: its throughput cost as a ratio (default: 0, not run)")
+    p.add_argument("--compare-buckets", dest="compare_buckets", metavar="JSON",
+                   help="also run ROUNDS rounds of the workload on all of the artifact's gears and on the subset these "
+                        "deployment buckets keys name, alternating, on two warmed engines, e.g. "
+                        "'{\"decode_batch\": [1, 4, 16, 32]}' (the ladders before `pagedgraph plan`): the ladders' "
+                        "throughput as a ratio (default: not run)")
+    p.add_argument("--compare-rounds", type=int, dest="compare_rounds", default=2, metavar="ROUNDS",
+                   help="rounds of --compare-buckets")
     p.add_argument("--chunk-tokens", type=int, dest="chunk_tokens", default=16,
                    help="stress: the chunked run's long_prefill_token_threshold")
     p.add_argument("--no-micro", action="store_true", dest="no_micro",

@@ -48,6 +48,7 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
         "families": {name: {"graph": spec.graph, "gears": len(spec.gears), "summary": family_summary(name, spec.gears),
                             "gear_list": [[g.tokens, g.seqs, g.blocks] for g in spec.gears]}
                      for name, spec in manifest.families.items()},
+        "ladder_plan": manifest.ladder_plan,
         "speculation": speculation(manifest),
         "tensor_parallel": {"size": manifest.tensor_parallel_size, "ranks": [
             {**asdict(rank), "bytes": sum(f["bytes"] or 0 for rel, f in files.items()
@@ -78,6 +79,13 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
         lines.append(f"buckets       {family['summary']} ({where})")
         if gears:
             lines += [f"                {name} T={t} B={b} M={mb}" for t, b, mb in family["gear_list"]]
+    plan = record.get("ladder_plan")
+    lines.append("ladder plan   " + (
+        f"fitted to {plan['trace']} ({plan['requests']} requests, {plan['prompt_tokens']:,} prompt + "
+        f"{plan['completion_tokens']:,} completion tokens): expected padding waste {plan['expected_padding_waste']:.3f} "
+        f"(the ladders before: {plan['padding_waste_before']:.3f}), "
+        + ", ".join(f"{n} {family} gears" for family, n in plan["gears"].items())
+        if plan else "none: hand-picked ladders (`pagedgraph plan --trace` fits them to traffic)"))
     spec = record["speculation"]
     small = ", ".join(f"T={t}" for t in spec["verify_tokens"]) or "none (export.buckets.verify_tokens)"
     lines.append(f"speculation   verified as decode rows in the decode gears (K up to {spec['k_at_b1_in_decode_gears']} "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Iterable, Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -97,11 +97,17 @@ class ServerSection(Settings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer <key>` on /v1/*")
-    max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations; more get 429")
+    max_concurrent_requests: int = Field(256, ge=1, description="in-flight generations (one per prompt); more "
+                                                                "get 429")
+    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one /v1/completions body (a list of "
+                                                               "them); more get 400")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer is aborted")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are parsed")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
     log_prompts: bool = Field(False, description="log prompt text with each request (off: counts only)")
+    request_log: str | None = Field(
+        None, description='append one JSON line per finished completion, {"prompt_tokens": N, "completion_tokens": '
+                          'M}: the traffic trace `pagedgraph plan --trace` fits the bucket ladders to (no text)')
 
 
 class ExecutorSection(Settings):
@@ -197,6 +203,9 @@ def load_deployment(path: str | Path, overrides: dict[str, Any] | None = None) -
     paths = {key: str((base / Path(value).expanduser()).resolve()) for key, value in
              (("artifact", model.artifact), ("export_config", model.export_config)) if value is not None}
     update: dict[str, Any] = {"model": model.model_copy(update=paths)}
+    server = deployment.server
+    if server.request_log is not None:
+        update["server"] = server.model_copy(update={"request_log": str((base / server.request_log).resolve())})
     spec = deployment.speculative_config
     if spec is not None and spec.model is not None:  # the draft's artifact, relative to the file too
         update["speculative_config"] = spec.model_copy(update={"model": str((base / spec.model).resolve())})
@@ -208,6 +217,14 @@ def _exported(manifest: Manifest) -> dict[str, list[int]]:
     prefill, decode = manifest.families[PREFILL].gears, manifest.families[DECODE].gears
     return {"decode_batch": sorted({g.seqs for g in decode}), "prefill_tokens": sorted({g.tokens for g in prefill}),
             "context_blocks": sorted({g.blocks for g in prefill + decode})}
+
+
+def served_gears(manifest: Manifest, decode_batch: Iterable[int], prefill_tokens: Iterable[int],
+                 context_blocks: Iterable[int]) -> dict[str, list[Gear]]:
+    """The artifact's gears on these rungs (each a subset of its ladders): what a deployment's buckets serve."""
+    decode, prefill, blocks = set(decode_batch), set(prefill_tokens), set(context_blocks)
+    return {PREFILL: [g for g in manifest.families[PREFILL].gears if g.tokens in prefill and g.blocks in blocks],
+            DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in decode and g.blocks in blocks]}
 
 
 def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> EngineConfig:
@@ -242,12 +259,7 @@ def engine_config(deployment: Deployment, manifest: Manifest, source: str) -> En
                         f"in export.kv_cache_dtypes")
     if problems:
         raise ConfigError(f"invalid deployment in {source}:\n  " + "\n  ".join(problems))
-    blocks = chosen["context_blocks"]
-    gears: dict[str, list[Gear]] = {
-        PREFILL: [g for g in manifest.families[PREFILL].gears
-                  if g.tokens in chosen["prefill_tokens"] and g.blocks in blocks],
-        DECODE: [g for g in manifest.families[DECODE].gears if g.seqs in chosen["decode_batch"] and g.blocks in blocks],
-    }
+    gears = served_gears(manifest, chosen["decode_batch"], chosen["prefill_tokens"], chosen["context_blocks"])
     kv, scheduler, executor = deployment.kv_cache, deployment.scheduler, deployment.executor
     return EngineConfig(num_blocks=kv.num_blocks, kv_cache_bytes=kv.kv_cache_bytes, max_num_seqs=scheduler.max_num_seqs,
                         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_model_len=max_model_len,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq
 
 from ..artifact.manifest import Manifest
-from ..graphs.contract import DECODE, PREFILL, Gear
+from ..graphs.contract import Gear
 from ..graphs.kv_cache import cache_format
 from .block_pool import CacheStats
 from .executors import CustomOps, check_custom_ops, make_executor
@@ -162,9 +162,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
         self.packer = Packer(self.manifest, config.batch_invariant)
-        self.max_num_seqs, self.max_num_batched_tokens = self._fit_limits(config)
-        # The most logits rows one step returns: the widest prefill gear's B (prompt logprobs need a row per token).
-        self.max_logits_rows = max(g.seqs for g in self.packer.gears[PREFILL])
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_logits_rows = self.packer.selector.fit_limits(
+            config.max_num_seqs, config.max_num_batched_tokens)
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"enable_chunked_prefill = false needs max_num_batched_tokens >= max_model_len, but "
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
@@ -201,14 +200,6 @@ class LLMEngine:
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
         self.stats.load_s = time.perf_counter() - start
-
-    def _fit_limits(self, config: EngineConfig) -> tuple[int, int]:
-        """Clamp the scheduler limits to what the exported gears can hold, so every step has a bucket."""
-        prefill = self.packer.gears[PREFILL]
-        decode = self.packer.gears[DECODE]
-        max_tokens = max(g.tokens for g in prefill)
-        max_seqs = min(max(g.seqs for g in decode), max(g.seqs for g in prefill))
-        return min(config.max_num_seqs, max_seqs), min(config.max_num_batched_tokens, max_tokens)
 
     # -- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -296,7 +287,7 @@ class LLMEngine:
         stats.host_s += (graph_start - start) + (time.perf_counter() - graph_end)
         stats.tokens_computed += gear.tokens
         stats.tokens_real += batch.total_tokens
-        key = f"{family}:T{gear.tokens}xB{gear.seqs}xM{gear.blocks}"
+        key = gear.label(family)
         stats.bucket_hits[key] = stats.bucket_hits.get(key, 0) + 1
         return outputs
 

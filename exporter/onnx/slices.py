@@ -23,7 +23,7 @@ from ...graphs.config import ModelConfig
 from ...graphs.family import GraphOptions
 from ...graphs.weight_forms import WeightForms
 from ...graphs.weights import graph_weight
-from ...graphs.quant import Weight
+from ...graphs.quant import BlockForm, Int8Form, Weight
 from ...cpu_kernels.int8_gemm import cpu_session
 
 # Weights per slice: a session maps them and prepacks its matmuls' (about twice this resident while it runs).
@@ -34,12 +34,13 @@ SLICE_BYTES = 1 << 30
 class Slice:
     """Layers `layers` of a model, and its LM head if `head` (none but the head: the last slice of a model whose
     last layer and head did not fit one): the whole graph's file, or a slice built in memory over weights in
-    `folder`."""
+    `folder`. `prepack`: its session prepacks its matmuls' weights (see `session`)."""
 
     layers: tuple[int, ...]
     head: bool
     graph: Path | onnx.ModelProto
     folder: Path
+    prepack: bool = True
 
     def proto(self) -> onnx.ModelProto:
         """The graph without its weights' data."""
@@ -50,14 +51,19 @@ class Slice:
     def session(self, model: onnx.ModelProto | None = None) -> Any:
         """An ONNX Runtime session over the slice (or over `model`, the slice edited: extra outputs).
 
-        Prepacking stays on (as served): the matmuls keep a packed copy of their weights beside the mapped file,
-        about twice the slice's weights resident, but unpacked int8 and 4-bit matmuls ran the gear check 3x slower
-        (docs/performance.md)."""
+        A prepacking session keeps a packed copy of its matmuls' weights beside the mapped file, about twice the
+        slice's weights resident: it stays on where the slice has quantized linears (unpacked int8 and 4-bit
+        matmuls ran the gear check 3x slower, docs/performance.md) and is off for float ones, which a session of a
+        few steps packs per call at about the cost of packing once (a float32 Qwen3-1.7B export peaked at 3.1 GiB
+        on its LM head's packed copy)."""
         import onnxruntime as ort
 
+        options = ort.SessionOptions()
+        if not self.prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if model is None and isinstance(self.graph, Path):
-            return cpu_session(self.graph, ort.SessionOptions())
-        return cpu_session(model or self.proto(), ort.SessionOptions(), self.folder)
+            return cpu_session(self.graph, options)
+        return cpu_session(model or self.proto(), options, self.folder)
 
     @property
     def carried(self) -> list[str]:
@@ -101,12 +107,13 @@ def artifact_slices(graph: Path, model: ModelConfig, block_size: int, forms: Wei
     """`graph` (an exported graph whose weights lie beside it) in `groups` of layers (layer_groups'); `initializers`:
     its weights' references (and an int8 cache's inline scales)."""
     if len(groups) == 1:
-        yield Slice(groups[0], True, graph, graph.parent)
+        yield Slice(groups[0], True, graph, graph.parent, _quantized(forms, list(forms.forms)))
         return
     for index, layers in enumerate(groups):
         head = index + 1 == len(groups)
         yield Slice(layers, head, built_slice(model, block_size, forms, kv_cache_dtype, layers, head,
-                                              initializers.__getitem__), graph.parent)
+                                              initializers.__getitem__), graph.parent,
+                    _quantized(forms, slice_weights(model, layers, head)))
 
 
 def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_positions: int, block_size: int,
@@ -124,9 +131,14 @@ def checkpoint_slices(model: ModelConfig, tensors: Mapping[str, Weight], max_pos
             proto = built_slice(model, block_size, WeightForms(store.forms, accuracy_level), "float32", layers,
                                 head, store.initializer)
         try:
-            yield Slice(layers, head, proto, scratch)
+            yield Slice(layers, head, proto, scratch, prepack=False)  # float32 weights
         finally:
             path.unlink()
+
+
+def _quantized(forms: WeightForms, names: Sequence[str]) -> bool:
+    """Whether any of graph weights `names` is stored quantized (block-quantized or int8 per channel)."""
+    return any(isinstance(forms.forms.get(name), (BlockForm, Int8Form)) for name in names)
 
 
 def slice_weights(model: ModelConfig, layers: Sequence[int], head: bool) -> list[str]:

@@ -24,11 +24,13 @@ from .metrics import RunRecord, peak_rss_bytes, percentile, resident_bytes
 from .naive import NaiveRunner
 from .runner import run_engine, warm_up
 from .workloads import BenchRequest
+from ..deploy_config import Deployment, engine_config
 from ..engine import EngineConfig, LLMEngine
 from ..executors import CustomOps
 from ..kv_pools import weights_bytes
+from ..traffic import read_trace
 
-DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17, "copy": 9}
+DEFAULT_REQUESTS = {"mixed": 64, "poisson": 64, "shared-prefix": 32, "stress": 17, "copy": 9, "trace": None}
 # Workloads compared with themselves (chunking on vs off; speculation on vs off), not with the naive engine.
 NO_BASELINE = ("stress", "copy")
 # Engine settings a workload implies: copy is a single stream (one request at a time, B=1).
@@ -48,6 +50,7 @@ class BenchOptions:
     output_range: tuple[int, int] = (16, 256)  # mixed/poisson output lengths (uniform)
     prefix_words: int | None = None  # shared-prefix system prompt length; default: the workload's (~1,000 tokens)
     prefixes: int = 1  # shared-prefix: distinct system prompts
+    trace: str | None = None  # trace: the JSON Lines file (runtime/traffic.py) replayed
     baseline: str | None = "naive"
     naive_batch: int = 16
     threads: int | None = None
@@ -60,6 +63,10 @@ class BenchOptions:
     # > 0: also this many rounds of the workload (seed + 1 + round) on two warmed engines, scheduler.batch_invariant
     # on and off, in alternating order: the cost of batch invariance as a ratio.
     invariance_rounds: int = 0
+    # Also this many rounds of the workload on the artifact's gears and on the subset these deployment `buckets`
+    # keys name (e.g. the ladders an artifact had before `pagedgraph plan`), alternating, on two warmed engines.
+    compare_buckets: dict[str, list[int]] | None = None
+    compare_rounds: int = 2
     stress: workloads.StressShape = workloads.StressShape()
     micro: bool = True
     contexts: tuple[int, ...] = (64, 1024)  # decode step time at these contexts ...
@@ -77,6 +84,9 @@ class BenchOptions:
             raise ValueError(f"--workload {self.workload} is compared with itself (stress: chunked prefill on and off; "
                              f"copy: speculation on and off): pass --baseline none --no-micro (the naive baseline "
                              f"and the decode figures belong to the mixed workload)")
+        if (self.workload == "trace") != (self.trace is not None):
+            raise ValueError("--trace FILE goes with --workload trace (a trace of prompt_tokens and completion_tokens "
+                             "per line, replayed at t=0), and --workload trace needs it")
 
 
 def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
@@ -86,6 +96,10 @@ def _requests(options: BenchOptions, engine: LLMEngine) -> list[BenchRequest]:
                                            options.prefixes)
     elif options.workload == "copy":
         requests = workloads.copy_heavy(engine.prompts.token_ids, count, options.seed)
+    elif options.workload == "trace":
+        assert options.trace is not None
+        trace = read_trace(options.trace, engine.max_model_len)
+        requests = workloads.replayed(engine.model.vocab_size, trace[:count] if count else trace, options.seed)
     elif options.workload == "stress":
         requests = workloads.stress(engine.model.vocab_size, replace(options.stress, decoders=count - 1), options.seed)
     else:
@@ -169,6 +183,9 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
     if options.invariance_rounds:
         results["batch_invariance_cost"] = _invariance_cost(options, log)
         gc.collect()
+    if options.compare_buckets:
+        results["compare_buckets"] = _compare_buckets(options, log)
+        gc.collect()
     if options.workload == "shared-prefix":
         print("paged engine, prefix caching off ...", file=log)
         off = run_engine(_engine(options, log, enable_prefix_caching=False)[0], requests).figures()
@@ -196,23 +213,49 @@ def run_bench(options: BenchOptions, log: TextIO = sys.stderr) -> dict[str, Any]
 
 
 def _invariance_cost(options: BenchOptions, log: TextIO) -> dict[str, Any]:
-    """Throughput with scheduler.batch_invariant on against off. Both engines are warmed first; each round's
-    requests (a fresh seed: no prefix hits on earlier rounds) run on both, first on then off, then the other way
-    round, so a slow spell of the machine falls on both sides alike."""
-    engines = {on: _engine(options, log, batch_invariant=on)[0] for on in (True, False)}
-    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
-    for r in range(options.invariance_rounds):
-        requests = _requests(replace(options, seed=options.seed + 1 + r), engines[True])
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            print(f"round {r + 1}/{options.invariance_rounds}: batch_invariant {'on' if on else 'off'} ...", file=log)
-            runs[on].append(run_engine(engines[on], requests).figures())
-    tok_s = {on: [f["throughput_tok_s"] for f in figures] for on, figures in runs.items()}
-    cpu_s = {on: [f["cpu_s"] for f in figures] for on, figures in runs.items()}
+    """Throughput with scheduler.batch_invariant on against off, in alternating rounds on two warmed engines."""
+    engines = {"batch_invariant on": _engine(options, log, batch_invariant=True)[0],
+               "batch_invariant off": _engine(options, log, batch_invariant=False)[0]}
+    runs = _alternating(options, engines, options.invariance_rounds, log)
+    tok_s = {on: [f["throughput_tok_s"] for f in runs[f"batch_invariant {'on' if on else 'off'}"]] for on in (True, False)}
+    cpu_s = {on: [f["cpu_s"] for f in runs[f"batch_invariant {'on' if on else 'off'}"]] for on in (True, False)}
     return {"rounds": options.invariance_rounds, "throughput_tok_s_on": tok_s[True],
             "throughput_tok_s_off": tok_s[False], "cpu_s_on": cpu_s[True], "cpu_s_off": cpu_s[False],
             "ratio_per_round": [a / b for a, b in zip(tok_s[True], tok_s[False])],
             "throughput_ratio": float(np.mean(tok_s[True]) / np.mean(tok_s[False])),
             "cpu_ratio": float(np.mean(cpu_s[False]) / np.mean(cpu_s[True]))}
+
+
+def _alternating(options: BenchOptions, engines: dict[str, LLMEngine], rounds: int,
+                 log: TextIO) -> dict[str, list[dict[str, Any]]]:
+    """Each round's requests (a fresh seed: no prefix hits on earlier rounds) on every engine, the order turned
+    round every other round, so a slow spell of the machine falls on all alike."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    for r in range(rounds):
+        requests = _requests(replace(options, seed=options.seed + 1 + r), next(iter(engines.values())))
+        for name in list(engines) if r % 2 == 0 else reversed(list(engines)):
+            print(f"round {r + 1}/{rounds}: {name} ...", file=log)
+            runs[name].append(run_engine(engines[name], requests).figures())
+    return runs
+
+
+def _compare_buckets(options: BenchOptions, log: TextIO) -> dict[str, Any]:
+    """Throughput on all of the artifact's gears against the subset `options.compare_buckets` names."""
+    assert options.compare_buckets is not None
+    deployment = Deployment.model_validate({"model": {"artifact": options.artifact},
+                                            "buckets": options.compare_buckets})
+    subset = engine_config(deployment, Manifest.load(Path(options.artifact), verify=False), "--compare-buckets").gears
+    engines = {"all gears": _engine(options, log)[0], "compared": _engine(options, log, gears=subset)[0]}
+    runs = _alternating(options, engines, options.compare_rounds, log)
+    tok_s = {name: [f["throughput_tok_s"] for f in figures] for name, figures in runs.items()}
+    return {"buckets": options.compare_buckets, "rounds": options.compare_rounds,
+            "throughput_tok_s_all": tok_s["all gears"], "throughput_tok_s_compared": tok_s["compared"],
+            "ratio_per_round": [a / b for a, b in zip(tok_s["all gears"], tok_s["compared"])],
+            "throughput_ratio": float(np.mean(tok_s["all gears"]) / np.mean(tok_s["compared"])),
+            "padding_waste_all": runs["all gears"][0]["padding_waste"],
+            "padding_waste_compared": runs["compared"][0]["padding_waste"],
+            "cpu_utilization_all": [f["cpu_utilization"] for f in runs["all gears"]],
+            "cpu_utilization_compared": [f["cpu_utilization"] for f in runs["compared"]]}
 
 
 def _stress(options: BenchOptions, log: TextIO) -> dict[str, Any]:

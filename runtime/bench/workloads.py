@@ -7,9 +7,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..traffic import TraceRequest
 from ..workloads import copy_heavy_workload, shared_prefix_workload
 
-WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress", "copy")
+WORKLOADS = ("mixed", "poisson", "shared-prefix", "stress", "copy", "trace")
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 
 
@@ -35,6 +36,14 @@ def mixed(vocab_size: int, num_requests: int = 64, prompt_range: tuple[int, int]
     outputs = rng.integers(output_range[0], output_range[1] + 1, num_requests)
     return [BenchRequest(rng.integers(FIRST_PLAIN_TOKEN, vocab_size, int(n)).tolist(), int(m))
             for n, m in zip(lengths, outputs)]
+
+
+def replayed(vocab_size: int, trace: list[TraceRequest], seed: int = 0) -> list[BenchRequest]:
+    """A trace's requests (runtime/traffic.py) with random prompts of their lengths, all at t=0: what
+    `pagedgraph plan` replays to estimate a ladder's padding."""
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(rng.integers(FIRST_PLAIN_TOKEN, vocab_size, r.prompt_tokens).tolist(), r.completion_tokens)
+            for r in trace]
 
 
 def poisson(requests: list[BenchRequest], rate: float, seed: int = 0) -> list[BenchRequest]:

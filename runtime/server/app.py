@@ -2,11 +2,12 @@
 
 A body is read under `server.max_body_bytes` (`BodyLimit`, the app's middleware) before anything parses it.
 Requests are validated on the event loop and tokenized on one worker thread (a long prompt never
-stalls other streams), then handed to the `EngineLoop`; a handler holds a `RequestHandle` until its
-request finishes, and whichever way it ends (answered, timed out, client gone, server draining) the
-handle is closed, which aborts an unfinished request and frees its blocks. Each generation is logged
-once when it ends: counts and timing, never the API key, and the prompt text only with
-`server.log_prompts`.
+stalls other streams), then handed to the `EngineLoop`, one engine request per prompt (a completions body
+may hold a list of prompts: they run side by side in the engine and are answered together); a handler
+holds their `RequestHandle`s until they finish, and whichever way the HTTP request ends (answered, timed
+out, client gone, server draining, one of its prompts failed) every handle is closed, which aborts an
+unfinished request and frees its blocks. Each generation is logged once when it ends: counts and timing,
+never the API key, and the prompt text only with `server.log_prompts`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
@@ -35,8 +36,9 @@ from ..deploy_config import Deployment
 from ..engine import RequestOutput
 from ..constraints import ConstraintError
 from ..sampling_params import RequestError, SamplingParams
+from ..traffic import RequestLog, TraceRequest
 from . import metrics
-from .engine_loop import EngineLoop, RequestHandle
+from .engine_loop import EngineLoop, PromptRefused, RequestHandle, merged
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      SamplingFields, TokenizeRequest)
 from .tool_calls import (ToolChatFormat, ToolRequest, structured_output, template_takes_tools,
@@ -156,18 +158,30 @@ class Frontend:
         self.tokenizer.byte_table(False)  # built once here, not inside the first request that reports logprobs
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="pagedgraph-tokenize")
         self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
-        self.metrics = metrics.Metrics(self.model, self.max_model_len)
+        plan = engine.manifest.ladder_plan
+        self.metrics = metrics.Metrics(self.model, self.max_model_len,
+                                       plan["expected_padding_waste"] if plan else None)
+        self.request_log = RequestLog(self.limits.request_log) if self.limits.request_log else None
         self.runtime = self.loop.engine.runtime_info().to_dict()
         self._rendered: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # body JSON -> prompt text, ids
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=True)
+        if self.request_log is not None:
+            self.request_log.close()
 
     # -- admission: PromptEncoder (runtime/tokenizer.py) -> server limits -> EngineLoop.submit -> add_request --
     @staticmethod
-    def _refused(exc: RequestError, prompt_field: str) -> APIError:
-        """400 naming the field; what the engine calls `prompt` a chat request sends as `messages`."""
-        return APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field, code=exc.code)
+    def _refused(exc: RequestError, prompt_field: str, position: int | None = None) -> APIError:
+        """400 naming the field; what the engine calls `prompt` a chat request sends as `messages`. A prompt of
+        a list is named by its `position` (`prompt[2]: ...`)."""
+        if position is None:
+            return APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field,
+                            code=exc.code)
+        name = f"{prompt_field}[{position}]"
+        if exc.field in ("prompt", "prompt_token_ids"):
+            return APIError(400, f"{name}: {str(exc).removeprefix(f'{exc.field}: ')}", param=name, code=exc.code)
+        return APIError(400, f"{name}: {exc}", param=exc.field, code=exc.code)
 
     async def _on_tokenizer(self, encode: Callable[[], T], prompt_field: str) -> T:
         """A PromptEncoder call (or a grammar compile) on the tokenizer thread: a long prompt never stalls
@@ -197,38 +211,49 @@ class Frontend:
         await self._on_tokenizer(partial(self.loop.engine.structured.compiler.compile, params.structured_outputs),
                                  params.structured_outputs.field)
 
-    async def generate(self, request: Request, body: SamplingFields, params: SamplingParams, ids: list[int],
-                       prompt_field: str, fmt: Format, prompt_text: str) -> Response:
-        """Server limits, then the engine's own checks (`LLMEngine.add_request`, also `LLM`'s), then the answer."""
+    async def generate(self, request: Request, body: SamplingFields, params: SamplingParams,
+                       prompts: list[list[int]], prompt_field: str, fmt: Format, shown: list[str],
+                       listed: bool = False) -> Response:
+        """Server limits, then the engine's own checks (`LLMEngine.add_request`, also `LLM`'s), then the answer.
+
+        Each prompt is one generation in flight (`max_concurrent_requests`); `listed`: they came as a list, and
+        a refused one is named by its position. They are queued together or not at all."""
         await self._compile(params)
         self.check_admitting()
-        if self.counters.in_flight >= self.limits.max_concurrent_requests:
+        count = len(prompts)
+        if self.counters.in_flight + count > self.limits.max_concurrent_requests:
             self.counters.rejected += 1
             raise APIError(429, f"the server is at max_concurrent_requests = {self.limits.max_concurrent_requests}; "
                                 "retry shortly", type_="rate_limit_error", code="rate_limit_exceeded")
-        self.counters.in_flight += 1
+        self.counters.in_flight += count
         try:
-            handle = await self.loop.submit(ids, params, self.limits.request_timeout_s, self.default_max_tokens)
-        except RequestError as exc:
-            self.counters.in_flight -= 1
-            raise self._refused(exc, prompt_field) from None
+            handles = await self.loop.submit(prompts, params, self.limits.request_timeout_s, self.default_max_tokens)
+        except PromptRefused as refused:
+            self.counters.in_flight -= count
+            raise self._refused(refused.error, prompt_field, refused.index if listed else None) from None
         except BaseException:
-            self.counters.in_flight -= 1
+            self.counters.in_flight -= count
             raise
-        self.counters.prompt_tokens += len(ids)
-        shown = prompt_text if self.limits.log_prompts else None
-        close = partial(self._close, handle, request.url.path, time.perf_counter(), shown)
+        self.counters.prompt_tokens += sum(map(len, prompts))
+        close = partial(self._close_all, handles, request.url.path, time.perf_counter(),
+                        shown if self.limits.log_prompts else [None] * count)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             hold = max((len(s) for s in params.stop), default=1) - 1
-            return _EventStream(self._events(handle, fmt, params.n, hold, include_usage), close)
+            return _EventStream(self._events(handles, fmt, params.n, hold, include_usage), close)
         try:
-            out = await self._wait(request, handle)
+            outs = await self._wait(request, handles)
         finally:
             close()
-        if out.error:
-            raise self._failure(out)
-        return JSONResponse(fmt.response(out))
+        failed = next((out for out in outs if out.error), None)
+        if failed is not None:
+            raise self._failure(failed)
+        return JSONResponse(fmt.response(outs, params.n))
+
+    def _close_all(self, handles: list[RequestHandle], path: str, started: float,
+                   prompts: list[str | None]) -> None:
+        for handle, prompt in zip(handles, prompts):
+            self._close(handle, path, started, prompt)
 
     def _close(self, handle: RequestHandle, path: str, started: float, prompt: str | None) -> None:
         """However the request ended: abort it if unfinished, count it, log one line (`prompt` only if asked)."""
@@ -236,7 +261,7 @@ class Frontend:
             self.counters.finished["abort"] += 1
         handle.close()
         self.counters.in_flight -= 1
-        counts = usage(handle.last) if handle.last is not None else {"prompt_tokens": 0, "completion_tokens": 0}
+        counts = usage([handle.last]) if handle.last is not None else {"prompt_tokens": 0, "completion_tokens": 0}
         reason = handle.last.finish_reason if handle.last is not None and handle.finished else "aborted"
         log.info("%s %s: %d prompt + %d completion tokens, %s, %.3f s%s", handle.request_id, path,
                  counts["prompt_tokens"], counts["completion_tokens"], reason, time.perf_counter() - started,
@@ -253,50 +278,69 @@ class Frontend:
         self.counters.finished[out.finish_reason or "error"] += 1
         self.counters.cached_tokens += out.num_cached_tokens
         self.metrics.observe(out)
+        if self.request_log is not None:
+            try:
+                for completion in out.outputs:
+                    if completion.token_ids:
+                        self.request_log.write(TraceRequest(len(out.prompt_token_ids), len(completion.token_ids)))
+            except OSError:  # a full disk loses log lines, never answers
+                log.exception("server.request_log %s: write failed", self.request_log.path)
 
     # -- answering ----------------------------------------------------------------------------
     def _timeout(self) -> APIError:
         return APIError(408, f"the request ran past request_timeout_s = {self.limits.request_timeout_s} and was "
                              "aborted", type_="timeout_error", code="request_timeout")
 
-    async def _wait(self, request: Request, handle: RequestHandle) -> RequestOutput:
-        result = asyncio.ensure_future(handle.result())
+    async def _wait(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput]:
+        """Every prompt's final output, in order; or the first that failed (the caller answers its error)."""
+        each = [asyncio.ensure_future(handle.result()) for handle in handles]
         gone = asyncio.ensure_future(_disconnected(request))
+        left = set(each)
         try:
-            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+            while left and not gone.done():
+                done, _ = await asyncio.wait((*left, gone), return_when=asyncio.FIRST_COMPLETED)
+                left -= done
+                if any(f.exception() is not None or f.result().error for f in done if f in each):
+                    break
         finally:
-            result.cancel()
-            gone.cancel()
-        if not result.done() or result.cancelled():
+            for future in (*each, gone):
+                future.cancel()
+        ended = [f for f in each if f.done() and not f.cancelled()]
+        failed = next((f for f in ended if f.exception() is not None or f.result().error), None)
+        if failed is None and len(ended) < len(each):
             raise APIError(499, "the client closed the connection", code="client_closed_request")
-        if isinstance(result.exception(), TimeoutError):
+        if failed is not None and isinstance(failed.exception(), TimeoutError):
             raise self._timeout()
-        self._finished(result.result())
-        return result.result()
+        outs = [f.result() for f in each] if failed is None else [failed.result()]
+        for out in outs:
+            self._finished(out)
+        return outs
 
-    async def _events(self, handle: RequestHandle, fmt: Format, n: int, hold: int,
+    async def _events(self, handles: list[RequestHandle], fmt: Format, n: int, hold: int,
                       include_usage: bool) -> AsyncIterator[str]:
+        """Every prompt's chunks as they come; a failed or timed-out prompt ends the stream with its error."""
         for chunk in fmt.opening(n):
             yield sse(chunk)
-        tracker = DeltaTracker(fmt, hold)
-        out = None
+        tracker = DeltaTracker(fmt, hold, n)
+        last: list[RequestOutput | None] = [None] * len(handles)
         try:
-            async for out in handle:
-                if out.error:
-                    self._finished(out)
-                    yield sse(self._failure(out).body())
-                    out = None
-                    break
-                chunk = tracker.chunk(out)
-                if chunk is not None:
-                    yield sse(chunk)
+            async with aclosing(merged(handles)) as outputs:
+                async for prompt, out in outputs:
+                    if out.error:
+                        self._finished(out)
+                        yield sse(self._failure(out).body())
+                        break
+                    last[prompt] = out
+                    if out.finished:
+                        self._finished(out)
+                    chunk = tracker.chunk(prompt, out)
+                    if chunk is not None:
+                        yield sse(chunk)
+                else:
+                    if include_usage:
+                        yield sse(fmt.usage_chunk([out for out in last if out is not None]))
         except TimeoutError:
             yield sse(self._timeout().body())
-            out = None
-        if out is not None and out.finished:
-            self._finished(out)
-            if include_usage:
-                yield sse(fmt.usage_chunk(out))
         yield sse("[DONE]")
 
     # -- endpoints ----------------------------------------------------------------------------
@@ -328,20 +372,25 @@ class Frontend:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def _completion_prompt(body: CompletionRequest) -> str | list[int]:
-        """The one prompt of a completions body."""
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request "
-                                    "(concurrent requests are batched together)", param="prompt")
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+    def _completion_prompts(self, body: CompletionRequest) -> list[str | list[int]]:
+        """The prompts of a completions body, within `server.max_prompts_per_request` (and what can be in flight)."""
+        prompts = body.prompts
+        limit, setting = min((self.limits.max_prompts_per_request, "max_prompts_per_request"),
+                             (self.limits.max_concurrent_requests, "max_concurrent_requests"))
+        if len(prompts) > limit:
+            raise APIError(400, f"{len(prompts)} prompts in one request; this server takes at most server.{setting} = "
+                                f"{limit} per request: split the list", param="prompt")
+        return prompts
 
-    async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
-        return await self._on_tokenizer(partial(self.prompts.encode, prompt), "prompt") if isinstance(prompt, str) \
-            else list(prompt)
+    async def _completion_ids(self, body: CompletionRequest, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids; the text ones tokenized together on the tokenizer thread."""
+        if all(not isinstance(prompt, str) for prompt in prompts):
+            return [list(prompt) for prompt in prompts]
+        return await self._on_tokenizer(partial(self._encode_all, prompts, body.listed), "prompt")
+
+    def _encode_all(self, prompts: list[str | list[int]], listed: bool) -> list[list[int]]:
+        return [self.prompts.encode(prompt, f"prompt[{i}]" if listed else "prompt") if isinstance(prompt, str)
+                else list(prompt) for i, prompt in enumerate(prompts)]
 
     async def _chat_ids(self, body: ChatCompletionRequest, tools: ToolRequest) -> tuple[str, list[int]]:
         """The messages rendered with the chat template (and the tools), and their token ids."""
@@ -351,19 +400,21 @@ class Frontend:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         self.check_admitting()
-        prompt = self._completion_prompt(body)
+        prompts = self._completion_prompts(body)
         params = self._params(body)  # the body's own rules and caps before any tokenizing
-        ids = (self._recall(body) or ("", await self._completion_ids(prompt)))[1]
+        recalled = self._recall(body)
+        ids = [recalled[1]] if recalled is not None else await self._completion_ids(body, prompts)
         if body.echo and body.logprobs is not None and body.stream:
             raise APIError(400, "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo",
                            param="echo")
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs are answered whole, not streamed: drop stream or prompt_logprobs",
                            param="prompt_logprobs")
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
+            if body.echo else None
         fmt = CompletionFormat(self.model, self.tokenizer, body.logprobs, echo, body.prompt_logprobs is not None)
-        return await self.generate(request, body, params, ids, "prompt", fmt,
-                                   prompt if isinstance(prompt, str) else f"<{len(ids)} token ids>")
+        shown = [p if isinstance(p, str) else f"<{len(i)} token ids>" for p, i in zip(prompts, ids)]
+        return await self.generate(request, body, params, ids, "prompt", fmt, shown, body.listed)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -375,15 +426,17 @@ class Frontend:
         text, ids = self._recall(body) or await self._chat_ids(body, tools)
         fmt = (ToolChatFormat(self.model, self.tokenizer, body.num_logprobs, tools.parser, tools.parallel)
                if tools.active else ChatFormat(self.model, self.tokenizer, body.num_logprobs))
-        return await self.generate(request, body, params, ids, "messages", fmt, text)
+        return await self.generate(request, body, params, [ids], "messages", fmt, [text])
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's cache_aware policy asks
     # for them before it routes a request, and matches them against each replica's prefix tree.
     # The router then sends the same body to generate: the ids are kept for it, so the replica that serves it
     # does not tokenize the prompt again.
     async def render_completion(self, body: CompletionRequest) -> dict[str, Any]:
+        """A list of prompts is routed by its first prompt's ids, and is tokenized again when it is sent."""
         self.check_model(body.model)
-        return self._render(body, "", await self._completion_ids(self._completion_prompt(body)))
+        ids = await self._completion_ids(body, self._completion_prompts(body))
+        return self._render(body, "", ids[0], keep=not body.listed)
 
     async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
         self.check_model(body.model)
@@ -394,10 +447,11 @@ class Frontend:
         """The body as ASCII JSON: a lone surrogate in it is escaped here and refused by the tokenizer later."""
         return json.dumps(body.model_dump(), default=str)
 
-    def _render(self, body: SamplingFields, text: str, ids: list[int]) -> dict[str, Any]:
-        self._rendered[self._key(body)] = (text, ids)
-        while len(self._rendered) > RENDERED_KEPT:
-            self._rendered.popitem(last=False)
+    def _render(self, body: SamplingFields, text: str, ids: list[int], keep: bool = True) -> dict[str, Any]:
+        if keep:
+            self._rendered[self._key(body)] = (text, ids)
+            while len(self._rendered) > RENDERED_KEPT:
+                self._rendered.popitem(last=False)
         return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": ids, "features": None}
 
     def _recall(self, body: SamplingFields) -> tuple[str, list[int]] | None:
@@ -427,6 +481,17 @@ class Frontend:
         if body.return_token_strs:
             answer["token_strs"] = [self.tokenizer.backend.id_to_token(t) for t in ids]
         return answer
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: special tokens, chat template, length limit. lm-evaluation-harness finds it and
+        then tokenizes through /tokenize and /detokenize (its `remote` tokenizer), with no tokenizer of its own."""
+        tokenizer = self.tokenizer
+        eos, bos = tokenizer.eos_token_ids, tokenizer.bos_token_id
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": tokenizer.backend.id_to_token(eos[0]) if eos else None,
+                "bos_token": tokenizer.backend.id_to_token(bos) if bos is not None else None,
+                "pad_token": None, "add_bos_token": tokenizer.add_bos_token, "model_max_length": self.max_model_len,
+                "chat_template": tokenizer.chat_template}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's /detokenize: the text of `tokens`, special tokens included."""
@@ -543,6 +608,7 @@ def create_app(loop: EngineLoop, deployment: Deployment) -> FastAPI:
     root = APIRouter(dependencies=[Depends(_bearer(deployment.server.api_key))])
     root.add_api_route("/tokenize", frontend.tokenize, methods=["POST"])
     root.add_api_route("/detokenize", frontend.detokenize, methods=["POST"])
+    root.add_api_route("/tokenizer_info", frontend.tokenizer_info, methods=["GET"])
     app.include_router(root)
     app.add_api_route("/version", frontend.version, methods=["GET"])
 

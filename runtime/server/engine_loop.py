@@ -12,10 +12,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from ..engine import LLMEngine, RequestOutput
-from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from ..sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")
@@ -45,6 +45,16 @@ class EngineSnapshot:
     processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
     kv_bytes_per_block: int = 0  # K and V of every layer for one block, in the pools' dtype
     spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.to_dict(); None: no speculative decoding
+
+
+class PromptRefused(Exception):
+    """`LLMEngine.add_request` refused prompt number `index` of a submission (`error` says why); nothing of the
+    submission stays queued."""
+
+    def __init__(self, index: int, error: RequestError) -> None:
+        super().__init__(f"prompt {index}: {error}")
+        self.index = index
+        self.error = error
 
 
 class RequestHandle:
@@ -86,6 +96,28 @@ class RequestHandle:
     def close(self) -> None:
         self._timer.cancel()
         self._loop.release(self)
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several handles as they come, each with its handle's position; ends when all have finished.
+
+    Raises the first TimeoutError of any of them. Close it (`contextlib.aclosing`) to stop waiting on the rest.
+    """
+    waiting = {asyncio.ensure_future(handle.__anext__()): i for i, handle in enumerate(handles)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=waiting.__getitem__):
+                i = waiting.pop(future)
+                try:
+                    out = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                waiting[asyncio.ensure_future(handles[i].__anext__())] = i
+    finally:
+        for future in waiting:
+            future.cancel()
 
 
 class EngineLoop:
@@ -138,18 +170,21 @@ class EngineLoop:
         self._commands.put(command)
         return await future
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float,
-                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestHandle:
-        """Queue a request through `LLMEngine.add_request`; raises its RequestError if it cannot be served
-        (nothing stays queued)."""
-        handle = RequestHandle(self, self.engine.new_request_id(), timeout_s)
-        self._handles[handle.request_id] = handle
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float,
+                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> list[RequestHandle]:
+        """Queue one request per prompt through `LLMEngine.add_request`, all in one command (no step runs
+        between them); raises PromptRefused if one cannot be served, and then none stays queued."""
+        handles = [RequestHandle(self, self.engine.new_request_id(), timeout_s) for _ in prompts]
+        for handle in handles:
+            self._handles[handle.request_id] = handle
+        request_ids = [handle.request_id for handle in handles]
         try:
-            await self.call(lambda: self._add(handle.request_id, prompt_token_ids, params, default_max_tokens))
-        except BaseException:  # cancelled or refused: the abort queued behind the add undoes it
-            handle.close()
+            await self.call(lambda: self._add(request_ids, prompts, params, default_max_tokens))
+        except BaseException:  # cancelled or refused: the aborts queued behind the add undo it
+            for handle in handles:
+                handle.close()
             raise
-        return handle
+        return handles
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(self._snapshot)
@@ -169,10 +204,23 @@ class EngineLoop:
                 handle.outputs.put_nowait(out)
 
     # -- engine-thread side -----------------------------------------------------------------
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def _add(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
              default_max_tokens: int) -> None:
-        self.engine.add_request(prompt_token_ids, params, request_id, default_max_tokens=default_max_tokens)
-        self._live.add(request_id)
+        """All or nothing: a refused prompt aborts the ones added before it."""
+        added: list[str] = []
+        try:
+            for index, (request_id, prompt_token_ids) in enumerate(zip(request_ids, prompts)):
+                try:
+                    self.engine.add_request(prompt_token_ids, params, request_id,
+                                            default_max_tokens=default_max_tokens)
+                except RequestError as exc:
+                    raise PromptRefused(index, exc) from None
+                self._live.add(request_id)
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:
+                self._abort(request_id)
+            raise
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._live:

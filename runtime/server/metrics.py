@@ -67,9 +67,10 @@ class Scrape:
 class _StateCollector:
     """Gauges and counters from the latest `Scrape`, set just before `generate_latest` reads them."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, planned_padding_waste: float | None = None) -> None:
         self.labels = {"model_name": model_name, "engine": "0"}
         self.scrape: Scrape | None = None
+        self.planned_padding_waste = planned_padding_waste
 
     def collect(self) -> Iterator[Metric]:
         if self.scrape is None:
@@ -90,7 +91,14 @@ class _StateCollector:
             ("kv_cache_bytes_used", "KV cache bytes held by requests.", used * snap.kv_bytes_per_block),
             ("event_loop_tasks", "Tasks on the server's event loop (this scrape's included).", self.scrape.tasks),
             ("python_threads", "Python threads in the server process.", self.scrape.threads),
+            ("padding_waste", "Token rows the graphs ran / real tokens - 1, since start: compare with "
+                              "pagedgraph_planned_padding_waste to see traffic drift from the plan.",
+             snap.tokens_computed / snap.tokens_real - 1 if snap.tokens_real else 0.0),
         ]
+        if self.planned_padding_waste is not None:
+            gauges.append(("planned_padding_waste", "The padding waste `pagedgraph plan` expected of the artifact's "
+                                                    "ladders on the trace it fitted them to (export.buckets.plan).",
+                           self.planned_padding_waste))
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"pagedgraph_{name}", help_, value=value)
         totals = [
@@ -178,9 +186,9 @@ class _StateCollector:
 class Metrics:
     """One app's registry; `observe` a request when it finishes, `render` on each scrape."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, planned_padding_waste: float | None = None) -> None:
         self.registry = CollectorRegistry()
-        self._state = _StateCollector(model_name)
+        self._state = _StateCollector(model_name, planned_padding_waste)
         self.registry.register(self._state)
         labels = self._state.labels
 

@@ -168,6 +168,17 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM's field: top-k logprobs per prompt token, in each choice
 
+    @property
+    def listed(self) -> bool:
+        """`prompt` is a list of prompts (strings or token-id lists), not one: errors name a position."""
+        prompt = self.prompt
+        return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the body, in order: the one it holds, or those of its list."""
+        return list(self.prompt) if self.listed else [self.prompt]  # type: ignore[list-item]
+
     def sampling(self) -> dict[str, Any]:
         """echo with logprobs reports the prompt tokens' log-probabilities as well, as OpenAI does; with
         prompt_logprobs too, the prompt entries carry the larger of the two top-k counts."""

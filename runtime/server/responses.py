@@ -1,15 +1,17 @@
 """Engine outputs -> OpenAI response bodies and stream chunks, for /v1/completions and /v1/chat/completions.
 
-A `Format` turns one request's progress into the endpoint's JSON: the whole response at the end, or
+A `Format` turns one HTTP request's progress into the endpoint's JSON: the whole response at the end, or
 chunks of new text when streaming (`DeltaTracker` decides what is new). Both endpoints share the
-envelope, usage and token rendering; one choice per completion of the request (`n`).
+envelope, usage and token rendering. An HTTP request runs one engine request per prompt (a completions
+body may hold several), each with `n` completions: choice `index` is prompt index x n + completion index,
+as in OpenAI's and vLLM's answers, and usage is summed over the prompts.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from ..engine import CompletionOutput, RequestOutput
 from ..tokenizer import Tokenizer
@@ -24,10 +26,12 @@ def completions(out: RequestOutput) -> list[CompletionOutput]:
     return out.outputs or [CompletionOutput(0, out.token_ids, out.text, out.finish_reason, out.logprobs)]
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, generated = len(out.prompt_token_ids), sum(len(c.token_ids) for c in completions(out))
+def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Summed over the prompts; each prompt's tokens count once, whatever `n`."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    generated = sum(len(c.token_ids) for out in outs for c in completions(out))
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outs)}}
 
 
 class Format:
@@ -53,15 +57,17 @@ class Format:
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [self.choice(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in completions(out)]
-        return {**self.envelope(self.object, choices), "usage": usage(out)}
+    def response(self, outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+        """The whole answer: the choices of every prompt's `n` completions, prompt by prompt."""
+        choices = [self.choice(p * n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason)
+                   for p, out in enumerate(outs) for c in completions(out)]
+        return {**self.envelope(self.object, choices), "usage": usage(outs)}
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self.envelope(self.chunk_object, []), "usage": usage(out)}
+    def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+        return {**self.envelope(self.chunk_object, []), "usage": usage(outs)}
 
     def opening(self, n: int) -> list[dict[str, Any]]:
-        """Chunks sent before any text."""
+        """Chunks sent before any text (`n` completions per prompt)."""
         return []
 
     def choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
@@ -74,27 +80,30 @@ class Format:
 
 
 class CompletionFormat(Format):
-    """`echo`: the prompt's text, put before each choice's (streamed: in a first chunk of its own)."""
+    """`echo`: each prompt's text, put before its choices' (streamed: in a first chunk of its own)."""
 
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None, echo: str = "",
-                 prompt_logprobs: bool = False) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, top_logprobs: int | None,
+                 echo: Sequence[str] | None = None, prompt_logprobs: bool = False) -> None:
         super().__init__(model, tokenizer, top_logprobs)
-        self.echo = echo
+        self.echo = echo  # per prompt; None: no echo
         self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        body = super().response(out)
-        prompt = self._prompt_logprobs(out) if self.echo else None
-        vllm = self._vllm_prompt_logprobs(out) if self.prompt_logprobs else None
+    def response(self, outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+        body = super().response(outs, n)
+        prompt = [self._prompt_logprobs(out) for out in outs] if self.echo is not None else None
+        vllm = [self._vllm_prompt_logprobs(out) for out in outs] if self.prompt_logprobs else None
         for choice in body["choices"]:
-            choice["text"] = self.echo + choice["text"]
-            if prompt is not None and choice["logprobs"] is not None:
-                choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
-            if self.prompt_logprobs:
-                choice["prompt_logprobs"] = vllm
+            p = choice["index"] // n
+            if self.echo is not None:
+                choice["text"] = self.echo[p] + choice["text"]
+            echoed = prompt[p] if prompt is not None else None
+            if echoed is not None and choice["logprobs"] is not None:
+                choice["logprobs"] = {key: echoed[key] + choice["logprobs"][key] for key in echoed}
+            if vllm is not None:
+                choice["prompt_logprobs"] = vllm[p]
         return body
 
     def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
@@ -116,10 +125,11 @@ class CompletionFormat(Format):
                                  for e in entries]}
 
     def opening(self, n: int) -> list[dict[str, Any]]:
-        if not self.echo:
+        if self.echo is None:
             return []
-        return [self.envelope(self.chunk_object, [{"index": i, "text": self.echo, "logprobs": None,
-                                                   "finish_reason": None} for i in range(n)])]
+        return [self.envelope(self.chunk_object, [{"index": p * n + i, "text": text, "logprobs": None,
+                                                   "finish_reason": None}
+                                                  for p, text in enumerate(self.echo) for i in range(n)])]
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -176,15 +186,18 @@ class DeltaTracker:
     so the streamed text always equals the non-streamed text.
     """
 
-    def __init__(self, fmt: Format, hold: int) -> None:
+    def __init__(self, fmt: Format, hold: int, n: int) -> None:
         self.fmt = fmt
         self.hold = hold
-        self.sent: dict[int, tuple[int, int, bool]] = {}  # index -> (characters, tokens, finished)
+        self.n = n
+        self.sent: dict[int, tuple[int, int, bool]] = {}  # choice index -> (characters, tokens, finished)
 
-    def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
+    def chunk(self, prompt: int, out: RequestOutput) -> dict[str, Any] | None:
+        """The new text of prompt number `prompt`'s completions in `out`."""
         choices = []
         for c in completions(out):
-            chars, tokens, closed = self.sent.get(c.index, (0, 0, False))
+            index = prompt * self.n + c.index
+            chars, tokens, closed = self.sent.get(index, (0, 0, False))
             if closed:
                 continue
             done = c.finish_reason is not None
@@ -192,7 +205,7 @@ class DeltaTracker:
             text = c.text[chars:end] if end > chars else ""
             count = len(c.token_ids)
             if text or done or (self.fmt.top_logprobs is not None and count > tokens):
-                choices.append(self.fmt.delta(c.index, text, c.token_ids[tokens:], c.logprobs[tokens:count],
+                choices.append(self.fmt.delta(index, text, c.token_ids[tokens:], c.logprobs[tokens:count],
                                               c.finish_reason))
-                self.sent[c.index] = (chars + len(text), count, done)
+                self.sent[index] = (chars + len(text), count, done)
         return self.fmt.envelope(self.fmt.chunk_object, choices) if choices else None

@@ -53,6 +53,7 @@ class DraftProposer:
         self.kv = draft.kv
         self.shared = shared
         self.cost = cost
+        self.sizes_drafts = False  # the speculator paces it by acceptance and cost
         self.k = k
         self.vocab_size = vocab_size
         prefill = draft.packer.gears[PREFILL]

@@ -12,6 +12,9 @@ class Proposer(Protocol):
     # A proposed token's cost in decode steps of the target (0: free, as n-gram lookup): the speculator proposes
     # only as many tokens as the acceptance it sees pays for (runtime/spec/speculator.py).
     cost: float
+    # True: the proposer sizes each draft from what its own drafts kept (n-gram lookup), so the speculator asks for up
+    # to K every step instead of pacing the sequence by its last verification.
+    sizes_drafts: bool
 
     def propose(self, seqs: Seq[Sequence], lengths: Seq[int]) -> list[list[int]]:
         """Up to lengths[i] tokens to follow seqs[i]'s tokens (fewer or none when it has nothing to offer)."""

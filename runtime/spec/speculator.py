@@ -6,6 +6,8 @@ K+1 tokens like any chunk, the packer feeds them with a logits row each, and the
 drafts' slots are rolled back (KVCacheManager.rollback): the engine does both.
 
 Speculation is turned down where it does not pay:
+- per sequence, by the proposer where it sizes its drafts itself (`Proposer.sizes_drafts`: n-gram lookup, from what
+  drafts of its match's length kept); otherwise
 - per sequence: the number proposed follows what the last verification kept (all kept: one more, up to K;
   else what was kept, plus one), and after `MISSES` verifications in a row that kept nothing the sequence
   pauses, for twice as many steps each time;
@@ -134,6 +136,10 @@ class Speculator:
 
     def _length(self, seq: Sequence) -> int:
         """Tokens to propose for `seq` now (0: none)."""
+        left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # the step emits up to k + 1
+        room = min(left - 1, self.max_model_len - seq.num_tokens - 1)
+        if self.proposer.sizes_drafts:
+            return max(0, min(self.k, room))
         pace = self._pace.get(seq)
         if pace is None:
             pace = self._pace[seq] = _Pace(self.k)
@@ -148,8 +154,7 @@ class Speculator:
             self._pause(pace)
             pace.probe = pace.pause <= LAST_PROBE
             return 0
-        left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # the step emits up to k + 1
-        return max(0, min(k, left - 1, self.max_model_len - seq.num_tokens - 1))
+        return max(0, min(k, room))
 
     def propose(self, running: Seq[Sequence]) -> None:
         """Give drafts to the running sequences that decode next (one token left to compute)."""
@@ -192,17 +197,21 @@ class Speculator:
             assert seq.rng is not None
             tokens = accept_sampled(rows, drafts, self.proposer.draft_probs(seq), params, seq.rng, self._scratch)
         kept = len(tokens) - 1
-        pace = self._pace[seq]
-        pace.kept = pace.kept * MEMORY + kept
-        pace.tried = pace.tried * MEMORY + kept + (kept < len(drafts))
+        self._count(kept, len(drafts))
+        pace = self._pace.get(seq)
+        if pace is not None:  # paced by the speculator (not a proposer that sizes its drafts)
+            pace.kept = pace.kept * MEMORY + kept
+            pace.tried = pace.tried * MEMORY + kept + (kept < len(drafts))
+            self._adapt(pace, kept)
+        return tokens
+
+    def _count(self, kept: int, drafted: int) -> None:
         stats = self.stats
         stats.num_drafts += 1
-        stats.num_draft_tokens += len(drafts)
+        stats.num_draft_tokens += drafted
         stats.num_accepted_tokens += kept
         for pos in range(kept):
             stats.accepted_per_pos[pos] += 1
-        self._adapt(pace, kept)
-        return tokens
 
     def _constrained(self, seq: Sequence) -> bool:
         return self.grammars is not None and self.grammars.wants(seq)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_checkpoint import Shape, write_checkpoint
+from scripts.make_checkpoint import Preset, write_checkpoint
 from tests.paths import REPO
 
-SHAPE = Shape(hidden_size=512, intermediate_size=2048, num_hidden_layers=32, num_attention_heads=8,
-              num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048, rope_theta=10000.0,
-              rms_norm_eps=1e-5)
+SHAPE = Preset("llama", dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=32, num_attention_heads=8,
+                             num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048,
+                             rope_theta=10000.0, rms_norm_eps=1e-5))
 LADDER = {"max_model_len": 512, "buckets": {"decode_batch": [1, 4], "prefill_tokens": [64, 512], "prefill_max_seqs": 4}}
 MiB = 1 << 20
 
@@ -66,7 +66,7 @@ def _peak_rss(config: dict, out: str, log: Path, slice_bytes: int = 0, timeout: 
 
 def _largest_float32_weight() -> int:
     """The embedding (and the LM head): vocabulary x hidden float32."""
-    return 49152 * SHAPE.hidden_size * 4
+    return 49152 * int(SHAPE.config["hidden_size"]) * 4  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("quantization", ["none", "w8a8"])

@@ -389,7 +389,7 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
     assert float(weights["layers.0.qkv.input_offset"][0]) == np.rint(-128 - low / scale)
 
 
-def _assert_one_copy_of_the_weights(art: Path, checkpoint: Path) -> None:
+def assert_one_copy_of_the_weights(art: Path, checkpoint: Path) -> None:
     """Every gear of every cache dtype holds no weight data and no Parameter (a loaded GraphCell would keep a
     private copy of each): it takes the weights as graph inputs after the contract inputs and pools, each with
     the shape and dtype of its one entry in the weights file, which holds every weight once, as exported."""
@@ -418,12 +418,12 @@ def _assert_one_copy_of_the_weights(art: Path, checkpoint: Path) -> None:
 
 
 def test_cpu_ladder_references_one_copy_of_the_weights(artifact: Path, checkpoint: Path) -> None:
-    _assert_one_copy_of_the_weights(artifact, checkpoint)
+    assert_one_copy_of_the_weights(artifact, checkpoint)
 
 
 def test_ascend_ladder_references_one_copy_of_the_weights(ascend_caches: tuple[str, Path], checkpoint: Path) -> None:
     """Both cache dtypes' graph sets (the int8 one takes the calibrated cache parameters besides)."""
-    _assert_one_copy_of_the_weights(ascend_caches[1], checkpoint)
+    assert_one_copy_of_the_weights(ascend_caches[1], checkpoint)
 
 
 def test_activation_peak_counts_the_live_tensors_in_graph_order(tmp_path: Path) -> None:

@@ -37,3 +37,27 @@ def test_family_follows_transformers_on_every_executor(exported: tuple[str, Path
     family, model_dir, artifact = exported
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert_engine_follows(artifact, model, f"{family} on {executor}", **EXECUTORS[executor])
+
+
+def test_qwen3_ascend_mindir_norms_each_head_and_keeps_one_weight_copy(tmp_path: Path) -> None:
+    """The Ascend MINDIR reads back with an ATB RmsNorm over [T * heads, head_dim] rows for q and k in every layer,
+    and every gear of the ladder takes the one copy of the weights as graph inputs."""
+    from pagedgraph.artifact.mindir import MindirIndex
+    from pagedgraph.exporter.mindspore.readback import read_ops
+    from tests.exporter.test_mindspore_lowering import MAX_LEN, assert_one_copy_of_the_weights
+
+    model_dir = make_tiny_hf_checkpoint(tmp_path / "hf", **FAMILIES["qwen3"])
+    art = export_artifact(str(model_dir), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16"}, mindir_workers=1)
+    assert_one_copy_of_the_weights(art, model_dir)
+    from pagedgraph.exporter.mindspore.builder import weight_attribute as W
+
+    head_dim = FAMILIES["qwen3"]["dims"]["head_dim"]
+    index = MindirIndex.load(art)
+    for family, graphs in index.graphs.items():
+        for gear, rel in graphs.items():
+            norms = {r.arguments["gamma"]: r for r in read_ops(art / rel, {"RmsNorm"})}
+            for name in (f"layers.{i}.{qk}_norm" for i in range(2) for qk in "qk"):
+                # the heads viewed as rows: RmsNorm's input is a Reshape, its weight one head's [head_dim]
+                assert norms[W(name)].arguments["x"] == "<Reshape>", (family, gear, name)
+                assert norms[W(name)].shapes["gamma"] == (head_dim,)

@@ -28,13 +28,15 @@ pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 # Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
 # dtype, w8a16 and the GGUF's blocks at the export's default accuracy_level (int8 activations; tests/conftest.py's
-# gguf artifact computes in float32); the others are tests/conftest.py's.
+# gguf artifact computes in float32), a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8
+# with an int8 cache, and a tiny random Qwen3-MoE in float32 and w4a16; the others are tests/conftest.py's.
 CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat16"),
          ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
          ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
          ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32"),
-         ("moe-fp32", "moe_fp32_artifact", "float32"), ("moe-w4a16", "moe_w4a16_artifact", "float32")]
+         ("qwen3-w8a8", "qwen3_w8a8_artifact", "int8"), ("moe-fp32", "moe_fp32_artifact", "float32"),
+         ("moe-w4a16", "moe_w4a16_artifact", "float32")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
@@ -62,6 +64,17 @@ def w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gguf_int8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _export(tmp_path_factory.mktemp("gguf-int8"), {"quantization": "gguf"}, {})
+
+
+@pytest.fixture(scope="module")
+def qwen3_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import default_model_tokenizer, make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3-w8a8")
+    hf = make_tiny_hf_checkpoint(root / "hf", arch="qwen3", tie=True, tokenizer=default_model_tokenizer(),
+                                 dims={"head_dim": 32, "max_position_embeddings": 2048})
+    return _export(root, {"source": str(hf), "quantization": "w8a8"},
+                   {"kv_cache_dtypes": ["float32", "int8"], **short_calibration(root)})
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,20 @@
 """The real server in a background thread, for the server test modules (one server per module)."""
 from __future__ import annotations
 
+import importlib
 import socket
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterator
 
 import uvicorn
 
 from pagedgraph.runtime.deploy_config import Deployment
 from pagedgraph.runtime.server.launch import build_app
+from tests.conftest import missing_toolchain
 
 MODEL = "smol"
 
@@ -46,3 +49,23 @@ def serve(artifact: Path, **sections: dict[str, Any]) -> Iterator[ServerThread]:
         yield thread
     finally:
         thread.stop()
+
+
+def fail_the_next_step(server: ServerThread) -> None:
+    """The engine's next step raises RuntimeError("injected"), once: the step after it runs as ever."""
+    packer = server.app.state.frontend.loop.engine.packer
+
+    def broken(batch: Any) -> Any:
+        del packer.select  # the class's method again
+        raise RuntimeError("injected")
+
+    packer.select = broken
+
+
+def client_library(name: str) -> ModuleType:
+    """A client of the `clients` extra (lm-evaluation-harness, LangChain): skipped where it is not installed, a
+    failure in CI, where scripts/test.sh installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        missing_toolchain(f"the `clients` extra ({name}: pip install -e '.[clients]')", error)

@@ -20,7 +20,7 @@ import pytest
 from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
-from tests.runtime.server.serving import MODEL, ServerThread, serve
+from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
 
 KEY = "test-key"
 MAX_CONCURRENT = 32
@@ -231,7 +231,7 @@ def test_api_key_is_required(server: ServerThread) -> None:
     ({"prompt": "hi", "min_p": 2}, 400, "min_p", None),
     ({"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo", None),
-    ({"prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"prompt": ["a", ""]}, 400, "prompt[1]", None),
     ({"prompt": 5}, 400, "prompt", None),
     ({"prompt": "hi", "stop": 5}, 400, "stop", None),
     ({"prompt": [], "max_tokens": 2}, 400, "prompt", None),
@@ -264,13 +264,7 @@ def test_bad_chat_requests_and_bodies(client: openai.OpenAI, server: ServerThrea
 
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(client: openai.OpenAI,
                                                                          server: ServerThread) -> None:
-    packer = server.app.state.frontend.loop.engine.packer
-
-    def broken(batch: Any) -> Any:
-        del packer.select  # fail once, then the class's method again
-        raise RuntimeError("injected")
-
-    packer.select = broken
+    fail_the_next_step(server)
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=4)
     assert _error(err.value)["message"] == "engine step failed: injected"

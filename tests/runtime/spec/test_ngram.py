@@ -31,3 +31,26 @@ def test_the_proposer_reads_only_verified_tokens() -> None:
     seq.drop_drafts()
     seq.token_ids.append(3)
     assert proposer.propose([seq], [2]) == [[4, 1]]
+
+
+def test_the_match_grows_past_prompt_lookup_max_to_choose_the_occurrence() -> None:
+    """Two records share their last 3 tokens; the longer match picks the record being copied, not the latest."""
+    tokens = np.array([7, 1, 2, 3, 40, 8, 1, 2, 3, 50, 7, 1, 2, 3])
+    assert lookup(tokens, 1, 3, 1).tolist() == [50]  # up to 3 tokens: the latest occurrence
+    seq = Sequence("r", tokens.tolist(), SamplingParams(temperature=0), 0.0)
+    assert NgramProposer(1, 3, 64).propose([seq], [1]) == [[40]]  # [7 1 2 3] recurs at 0 only
+
+
+def test_draft_length_follows_what_drafts_of_that_match_length_kept() -> None:
+    """A sequence whose 1-token matches never hold stops drafting from them; its long matches still draft K."""
+    seq = Sequence("r", [5, 9, 1, 2, 3, 4, 6, 7, 8, 1, 2, 3, 4, 6, 7], SamplingParams(temperature=0), 0.0)
+    proposer = NgramProposer(1, 5, 256)
+    assert proposer.propose([seq], [4]) == [[8, 1, 2, 3]]  # a long match: the prior lets it draft all 4
+    lengths = []
+    for new in range(100, 140, 2):  # a new token, then 5: only "5" recurs, and the target never goes on as before
+        seq.token_ids += [new, 5]
+        lengths.append(len(proposer.propose([seq], [4])[0]))
+        seq.token_ids.append(new + 1)
+    assert lengths[0] == 4 and lengths[-1] == 0
+    seq.token_ids += [1, 2, 3, 4, 6]
+    assert proposer.propose([seq], [4]) == [[7, 100, 5, 101]]  # the latest occurrence of 1 2 3 4 6, all 4

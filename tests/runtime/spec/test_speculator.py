@@ -15,8 +15,9 @@ VOCAB = 16
 class Echo:
     """Proposes token 1, as many as asked, at `cost` target decode steps a token."""
 
-    def __init__(self, cost: float = 0.0) -> None:
+    def __init__(self, cost: float = 0.0, sizes_drafts: bool = False) -> None:
         self.cost = cost
+        self.sizes_drafts = sizes_drafts
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         return [[1] * k for k in lengths]
@@ -54,6 +55,19 @@ def test_by_default_a_speculating_step_holds_at_most_eight_tokens() -> None:
     assert _proposed(speculator, _decoding(3)) == [5, 0, 0]  # 3 + 5 = 8 tokens: the first arrival's
     assert _proposed(speculator, _decoding(6)) == [2, 0, 0, 0, 0, 0]
     assert _proposed(speculator, _decoding(8)) == [0] * 8
+
+
+def test_a_proposer_that_sizes_its_drafts_is_asked_for_k_after_misses() -> None:
+    """No pacing, no pause: the proposer (n-gram lookup) decides how many of the K it drafts."""
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=5), Echo(sizes_drafts=True), 4096,
+                            VOCAB, lambda seq: True)
+    (seq,) = _decoding(1)
+    wrong = np.zeros((6, VOCAB), np.float32)
+    for _ in range(4):
+        assert _proposed(speculator, [seq]) == [5]
+        speculator.propose([seq])
+        assert speculator.verify(seq, wrong) == [0]
+    assert speculator.stats.num_accepted_tokens == 0 and speculator.stats.num_drafts == 4
 
 
 def test_disable_by_batch_size_is_vllms_rule() -> None:
