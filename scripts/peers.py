@@ -197,7 +197,8 @@ def runs(args: argparse.Namespace, paths: dict[str, Path], work: Path) -> list[R
         batch = ["--llama-batch", str(args.llama_batch)] if args.llama_batch else []
         kv_turns = ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
         planned.append(Run(f"llama.cpp {Path(paths['gguf']).stem} and ours, single stream, taking turns", "llama.cpp", [
-            _python(args.llama_venv), str(SCRIPTS / "peer_llamacpp.py"), "--artifact", ours, *kv_turns, "--gguf",
+            _python(args.llama_venv), str(SCRIPTS / "peer_llamacpp.py"), "--artifact", ours,
+            *[a for b in args.beside for a in ("--artifact", str(b))], *kv_turns, "--gguf",
             str(paths["gguf"]), "--threads", threads, "--rounds", str(args.rounds), "--prompt-tokens",
             str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), *batch, "--json",
             str(work / "llamacpp.json")], work / "llamacpp.json"))
@@ -218,16 +219,22 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             single[r["engine"]] = f["single_stream_best"]
         for name, ours in f.get("ours", {}).items():  # the artifact under test, then any --beside
             single["pagedgraph" if name == "WORK/ours" else f"pagedgraph {name}"] = ours["single_stream_best"]
-        if "decode_tok_s" in f:  # peer_llamacpp.py: ours and llama.cpp in one process
-            single["llama.cpp"] = f["decode_tok_s"]["llama.cpp"]
-            single["pagedgraph (beside llama.cpp)"] = max(v for k, v in f["decode_tok_s"].items() if k != "llama.cpp")
+        if "decode_tok_s" in f:  # peer_llamacpp.py: ours (then any --beside) and llama.cpp taking turns
+            for name, tok_s in f["decode_tok_s"].items():
+                ours_name = "pagedgraph" if name == "WORK/ours" else f"pagedgraph {name}"
+                single[name if name == "llama.cpp" else f"{ours_name} (beside llama.cpp)"] = tok_s
     ratios = {f"mixed vs {k}": mixed["pagedgraph"] / v for k, v in mixed.items() if k != "pagedgraph" and
               "pagedgraph" in mixed}
     if "llama.cpp" in single:
         ours = single.get("pagedgraph (beside llama.cpp)", single.get("pagedgraph"))
         ratios["single stream vs llama.cpp"] = ours / single["llama.cpp"] if ours else None
+    for run in ("", " (beside llama.cpp)"):  # ours over each --beside artifact measured in the same run
+        ours = single.get(f"pagedgraph{run}")
+        ratios.update({f"single stream{run} vs {k.removesuffix(run)}": ours / v for k, v in single.items()
+                       if ours and k.startswith("pagedgraph ") and k.endswith(run) and k != f"pagedgraph{run}"
+                       and ("(beside" in k) == bool(run)})
     ratios.update({f"single stream vs {k}": single["pagedgraph"] / v for k, v in single.items()
-                   if k not in ("pagedgraph", "llama.cpp", "pagedgraph (beside llama.cpp)") and "pagedgraph" in single})
+                   if not k.startswith("pagedgraph") and k != "llama.cpp" and "pagedgraph" in single})
     return {"mixed_total_tok_s": mixed, "single_stream_decode_tok_s": single, "ours_over_peer": ratios}
 
 
