@@ -9,7 +9,7 @@
 // into its own dense buffer, small enough to stay in cache, and copies them into its columns of y.
 // Memory: each node's weights (an initializer) are reordered once (first call) into the blocked layout the
 // primitive wants (oneDNN allocates it; in our processes those allocations already sit on transparent huge
-// pages, docs/performance.md, "Tried, not kept"); primitives are created once per (rows, chunk width) and shared by
+// pages, docs/bench/history.md, "Tried, not kept"); primitives are created once per (rows, chunk width) and shared by
 // every node of that shape; scratchpads, row buffers and the bfloat16 copy of x live in process-wide buffers
 // that only grow. A step allocates nothing once every gear has run once.
 #include "onednn_linear.h"

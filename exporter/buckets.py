@@ -5,9 +5,7 @@ import math
 
 from .config import ExportOptions
 from ..graphs.config import ModelConfig
-from ..graphs.contract import Gear, ladder_gears
-
-MAX_GEARS_PER_FAMILY = 100  # ATC --dynamic_dims
+from ..graphs.contract import MAX_GEARS_PER_FAMILY, Gear, ladder_gears
 
 
 class BucketError(ValueError):

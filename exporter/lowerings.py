@@ -7,10 +7,10 @@ import MindSpore, an optional extra: this module needs it installed.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any
 
+from ..artifact.settings import replace_block
 from ..graphs.ops import OPS
 from ..graphs.ops.op import Lowering, body_table, missing_bodies
 
@@ -42,10 +42,7 @@ def table() -> str:
 
 def with_table(document: str) -> str:
     """`document` with the text between the markers replaced by the current table."""
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(document):
-        raise ValueError(f"the document has no op-table markers: add the lines {BEGIN!r} and {END!r}")
-    return pattern.sub(lambda _: f"{BEGIN}\n{table()}{END}", document)
+    return replace_block(document, BEGIN, END, table())
 
 
 def main() -> None:

@@ -69,6 +69,9 @@ class Gear:
         }
 
 
+MAX_GEARS_PER_FAMILY = 100  # ATC --dynamic_dims: gears per family an Ascend graph may have
+
+
 def ladder_gears(decode_batch: Iterable[int], prefill_tokens: Iterable[int], prefill_max_seqs: int,
                  context_blocks: Iterable[int]) -> dict[str, tuple[Gear, ...]]:
     """The gears of each family from its ladders: every rung at every context-block size M; a decode gear feeds

@@ -14,20 +14,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .artifact.settings import ConfigError, json_lines, validate, with_overrides
-from .graphs.kv_cache import KV_CACHE_DTYPES
+from .artifact.settings import ConfigError, choices, default, json_lines, validate, with_overrides
 from . import __version__
+from .exporter.config import ExportConfig
 from .texts import shipped_text
-from .runtime.deploy_config import ROUTER_POLICIES
-from .runtime.executors import CUSTOM_OPS
-from .runtime.sampling_params import DEFAULT_MAX_TOKENS
+from .runtime.bench.suite import BenchOptions
+from .runtime.bench.workloads import WORKLOADS
+from .runtime.deploy_config import Deployment
+from .runtime.ladder_plan import PlanBudget
 
 CACHE_ENV = "PAGEDGRAPH_CACHE"  # where `serve --model` keeps its exports (default ~/.cache/pagedgraph/artifacts)
 
 
 def _export_config(config: str | None, overrides: dict[str, Any]) -> Any:
     """The export YAML with CLI overrides, or the built-in defaults (those of configs/smollm2.yaml) without one."""
-    from .exporter.config import ExportConfig
     from .artifact.settings import load_yaml
 
     if config is not None:
@@ -61,11 +61,9 @@ def _planned(config: Any, args: argparse.Namespace) -> Any:
     """`config` with export.buckets fitted to --trace; prints the plan's table."""
     from .plan import planned_config
     from .runtime.deploy_config import load_deployment
-    from .runtime.ladder_plan import MAX_GEARS_PER_FAMILY, PlanBudget
 
     deployment = load_deployment(args.deploy) if args.deploy else None
-    budget = PlanBudget(args.max_gears_per_family or MAX_GEARS_PER_FAMILY, args.max_gears, args.context_gears,
-                        args.max_rung_ratio)
+    budget = PlanBudget(args.max_gears_per_family, args.max_gears, args.context_gears, args.max_rung_ratio)
     config, plan = planned_config(config, args.trace, deployment, budget)
     print(f"ladders fitted to {args.trace}:\n{plan.table()}", file=sys.stderr)
     return config
@@ -193,8 +191,6 @@ def _serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"model.artifact: {not_an_artifact(Path(model.artifact))}; or set model.export_config "
                               f"in {source} so serve exports it there")
         log.info("exporting %s with %s", model.artifact, model.export_config)
-        from .exporter.config import ExportConfig
-
         export(load_yaml(ExportConfig, model.export_config), model.artifact,
                calibration_text=shipped_text("calibration"))
     if deployment.fleet.active:
@@ -377,29 +373,51 @@ def _pool_flags(parser: argparse.ArgumentParser, override: str) -> None:
                              f"(default: the artifact's)")
 
 
-def _kv_cache_dtype_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
-    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=("auto", *KV_CACHE_DTYPES), default=default,
+def _deployed(key: str) -> Any:
+    """The deployment schema's default for `key`: the one every flag below that sets it shows or uses."""
+    return default(Deployment, key)
+
+
+def _exported(key: str) -> str:
+    """How an export flag states the default of the export YAML's `key` it overrides."""
+    value = default(ExportConfig, key)
+    shown = ",".join(value) if isinstance(value, list) else "none" if value is None else value
+    return f"(default: the YAML's, else {shown})"
+
+
+def _kv_cache_dtype_flag(parser: argparse.ArgumentParser, override: bool, what: str) -> None:
+    """`override`: the flag overrides the deployment's kv_cache.dtype (no default of its own)."""
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=choices(Deployment, "kv_cache.dtype"),
+                        default=None if override else _deployed("kv_cache.dtype"),
                         help=f"{what}: what the KV pools hold (auto: the artifact's compute dtype; the artifact needs "
                              f"that dtype's graphs, export.kv_cache_dtypes)")
 
 
-def _custom_ops_flag(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
-    parser.add_argument("--custom-ops", dest="custom_ops", choices=CUSTOM_OPS, default=default,
+def _custom_ops_flag(parser: argparse.ArgumentParser, override: bool, what: str) -> None:
+    parser.add_argument("--custom-ops", dest="custom_ops", choices=choices(Deployment, "executor.custom_ops"),
+                        default=None if override else _deployed("executor.custom_ops"),
                         help=f"{what}: run the fused ops as pagedgraph's C++ ONNX Runtime kernels (auto: when "
                              f"they build, else warn and fall back; on: or fail; off: their ONNX function bodies)")
+
+
+def _executor_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--executor", choices=choices(Deployment, "executor.name"), default=_deployed("executor.name"),
+                        help=what)
 
 
 def _plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deploy", help="deployment YAML whose scheduler and kv_cache settings the trace is replayed "
                                          "with (default: the deployment defaults, docs/server.md)")
     parser.add_argument("--max-gears-per-family", type=int, dest="max_gears_per_family",
-                        help="gears per family at most, rungs x context-block sizes (default: 100, ATC's limit)")
+                        default=PlanBudget.max_gears_per_family,
+                        help="gears per family at most, rungs x context-block sizes (default: %(default)s, ATC's "
+                             "limit)")
     parser.add_argument("--max-gears", type=int, dest="max_gears",
                         help="gears of all families at most: each is a MINDIR/ATC compile and a first-step warm-up "
                              "(default: twice --max-gears-per-family)")
     parser.add_argument("--context-gears", type=int, dest="context_gears",
                         help="rungs of the context-block ladder (default: as many as the config's)")
-    parser.add_argument("--max-rung-ratio", type=float, dest="max_rung_ratio", default=2.0,
+    parser.add_argument("--max-rung-ratio", type=float, dest="max_rung_ratio", default=PlanBudget.max_rung_ratio,
                         help="consecutive rungs at most this far apart, so a size the trace lacks pads at most this "
                              "much")
 
@@ -422,21 +440,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an artifact exported from another checkpoint (never needed for a new or empty "
                         "directory, never allows writing over other files)")
-    p.add_argument("--format", dest="formats", help="override export.formats: onnx, mindir or onnx,mindir "
-                                                    "(default: the YAML's, else onnx)")
-    p.add_argument("--target", choices=["cpu", "ascend"], help="override export.target, the MINDIR target "
-                                                               "(default: the YAML's, else cpu)")
-    p.add_argument("--baseline", choices=["naive"], help="override export.baseline: also write graphs/naive.onnx "
-                                                         "(default: the YAML's, else none)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="override model.dtype: activations and compute (default: the YAML's, else float32)")
-    p.add_argument("--quantization", choices=["none", "gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq"],
+    p.add_argument("--format", dest="formats", help=f"override export.formats: "
+                                                    f"{' or '.join(choices(ExportConfig, 'export.formats'))} or both, "
+                                                    f"comma-separated {_exported('export.formats')}")
+    p.add_argument("--target", choices=choices(ExportConfig, "export.target"),
+                   help=f"override export.target, the MINDIR target {_exported('export.target')}")
+    p.add_argument("--baseline", choices=choices(ExportConfig, "export.baseline"),
+                   help=f"override export.baseline: also write graphs/naive.onnx {_exported('export.baseline')}")
+    p.add_argument("--dtype", choices=choices(ExportConfig, "model.dtype"),
+                   help=f"override model.dtype: activations and compute {_exported('model.dtype')}")
+    p.add_argument("--quantization", choices=choices(ExportConfig, "model.quantization"),
                    help="override model.quantization: gguf runs the GGUF's own blocks, w8a16/w4a16 quantize the "
                         "weights round-to-nearest, gptq/awq run a GPTQ/AWQ checkpoint's own blocks (none reads "
-                        "such a checkpoint so too) (default: the YAML's, else none)")
+                        f"such a checkpoint so too) {_exported('model.quantization')}")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, dest="tensor_parallel_size",
                    help="override export.tensor_parallel_size: one graph set per rank, the model split over them "
-                        "(default: the YAML's, else 1)")
+                        f"{_exported('export.tensor_parallel_size')}")
     p.add_argument("--verbose", action="store_true", help="print every gear, not only a summary per bucket family")
     p.add_argument("--trace", help="fit export.buckets to this traffic first, as `pagedgraph plan` does (default: "
                                    "the YAML's ladders)")
@@ -459,8 +478,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="JSON Lines requests: prompt | prompt_token_ids | messages, plus sampling fields")
     p.add_argument("--output", help="JSON Lines results, in input order (default: stdout)")
     p.add_argument("--max-tokens", type=int, dest="max_tokens",
-                   help=f"tokens to generate per request (default: {DEFAULT_MAX_TOKENS}, capped to what max_model_len "
-                        f"leaves after the prompt; a larger explicit value is refused, as by the server)")
+                   help=f"tokens to generate per request (default: {_deployed('sampling.max_tokens')}, capped to "
+                        f"what max_model_len leaves after the prompt; a larger explicit value is refused, as by the "
+                        f"server)")
     p.add_argument("--temperature", type=float,
                    help="sampling temperature, 0 for greedy (default: the model's generation_config, else 1.0)")
     p.add_argument("--top-p", type=float, dest="top_p",
@@ -472,10 +492,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     p.add_argument("--no-prefix-caching", action="store_true", dest="no_prefix_caching",
                    help="never reuse cached KV blocks across requests (default: reuse them)")
-    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
-                   help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
-    _custom_ops_flag(p, "auto", "onnxruntime executor")
-    _kv_cache_dtype_flag(p, "auto", "KV cache")
+    _executor_flag(p, "run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
+    _custom_ops_flag(p, False, "onnxruntime executor")
+    _kv_cache_dtype_flag(p, False, "KV cache")
     _speculative_flag(p, " (default: off)")
     p.set_defaults(func=_generate)
 
@@ -498,19 +517,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", dest="served_model_name",
                    help="the model id clients send and /v1/models lists (default: the checkpoint's or the "
                         "artifact's folder name)")
-    p.add_argument("--host", help="override server.host (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="override server.port, 0 for any free port (default: 8000)")
+    p.add_argument("--host", help=f"override server.host (default: {_deployed('server.host')})")
+    p.add_argument("--port", type=int, help=f"override server.port, 0 for any free port (default: "
+                                            f"{_deployed('server.port')})")
     _pool_flags(p, "override ")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="override server.api_key (default: $PAGEDGRAPH_API_KEY, else no key)")
-    _custom_ops_flag(p, None, "override executor.custom_ops (default: auto)")
-    _kv_cache_dtype_flag(p, None, "override kv_cache.dtype (default: auto)")
+    _custom_ops_flag(p, True, f"override executor.custom_ops (default: {_deployed('executor.custom_ops')})")
+    _kv_cache_dtype_flag(p, True, f"override kv_cache.dtype (default: {_deployed('kv_cache.dtype')})")
     _speculative_flag(p, ", overriding the deployment's speculative_config (default: off)")
     p.add_argument("--data-parallel-size", type=int, dest="data_parallel_size",
                    help="override fleet.data_parallel_size: this many replicas, each pinned to its own cores, behind "
-                        "vllm-router on --port (needs pagedgraph[fleet]; see docs/scale-out.md) (default: 1)")
-    p.add_argument("--router-policy", dest="router_policy", choices=ROUTER_POLICIES,
-                   help="override fleet.router.policy, how the router picks a replica (default: cache_aware)")
+                        "vllm-router on --port (needs pagedgraph[fleet]; see docs/scale-out.md) (default: "
+                        f"{_deployed('fleet.data_parallel_size')})")
+    p.add_argument("--router-policy", dest="router_policy", choices=choices(Deployment, "fleet.router.policy"),
+                   help="override fleet.router.policy, how the router picks a replica (default: "
+                        f"{_deployed('fleet.router.policy')})")
     p.set_defaults(func=_serve)
 
     p = command("atc-plan", "print the ATC commands that compile the artifact's ONNX graph for Ascend")
@@ -530,8 +552,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, help="--url: requests in flight at once (default: all)")
     p.add_argument("--api-key", dest="api_key", default=os.environ.get("PAGEDGRAPH_API_KEY"),
                    help="--url: the server's API key (default: $PAGEDGRAPH_API_KEY, else none)")
-    p.add_argument("--workload", choices=["mixed", "poisson", "shared-prefix", "stress", "copy", "trace"],
-                   default="mixed",
+    p.add_argument("--workload", choices=WORKLOADS, default=BenchOptions.workload,
                    help="stress: one 4,000-token prompt arriving while 16 requests decode, chunked prefill on vs "
                         "off (needs a 4,096-token artifact: configs/smollm2-long.yaml); copy: one request at a time "
                         "whose answer quotes its prompt (code edits, typo fixes, extraction), for "
@@ -547,10 +568,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: naive; none for stress)")
     p.add_argument("--naive-batch", type=int, dest="naive_batch", default=16, help="static batch size of the baseline")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
-    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
-                   help="the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
-    _custom_ops_flag(p, "auto", "the paged engine's onnxruntime executor (the naive baseline never uses them)")
-    _kv_cache_dtype_flag(p, "auto", "KV cache of the paged engine and the naive baseline")
+    _executor_flag(p, "the paged engine's executor (mindspore: the artifact's CPU MINDIR graphs)")
+    _custom_ops_flag(p, False, "the paged engine's onnxruntime executor (the naive baseline never uses them)")
+    _kv_cache_dtype_flag(p, False, "KV cache of the paged engine and the naive baseline")
     _speculative_flag(p, " for the paged engine; the same workload also runs without it, in the same invocation "
                          "(default: off)")
     p.add_argument("--batch-invariance-cost", type=int, dest="invariance_rounds", default=0, metavar="ROUNDS",
@@ -582,15 +602,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512, help="tokens per window")
     p.add_argument("--stride", type=int, help="a window starts every STRIDE tokens (default: --context, no overlap)")
     p.add_argument("--kv-cache-dtype", dest="kv_cache_dtype",
-                   help="KV-cache dtypes, comma-separated (auto, float32, bfloat16, float16, int8): each artifact "
+                   help=f"KV-cache dtypes, comma-separated ({', '.join(choices(Deployment, 'kv_cache.dtype'))}): "
+                        "each artifact "
                         "runs once per dtype, in this order, so the first (e.g. auto) is the baseline "
                         "(default: the artifact's own)")
     p.add_argument("--json", help="write the figures (perplexity, tokens scored, windows, dtype) as JSON here "
                                   "(default: not written)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
-    p.add_argument("--executor", choices=["onnxruntime", "mindspore"], default="onnxruntime",
-                   help="run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
-    _custom_ops_flag(p, "auto", "onnxruntime executor")
+    _executor_flag(p, "run the ONNX graph (onnxruntime) or the CPU MINDIR graphs (mindspore)")
+    _custom_ops_flag(p, False, "onnxruntime executor")
     p.set_defaults(func=_eval)
     return parser
 

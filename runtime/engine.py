@@ -1,4 +1,4 @@
-"""The engine loop (schedule -> pack -> run the bucket graph -> sample -> detokenize) and the `LLM` API."""
+"""The engine (schedule -> run the bucket graph -> sample -> detokenize, one step at a time) and the `LLM` API."""
 from __future__ import annotations
 
 import itertools
@@ -7,61 +7,25 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence as Seq
 
+import numpy as np
+
 from ..artifact.manifest import Manifest
-from ..graphs.contract import Gear
-from ..graphs.kv_cache import cache_format
-from .block_pool import CacheStats
-from .executors import CustomOps, check_custom_ops, make_executor
-from .kv_cache_manager import KVCacheManager, SharedKV
-from .kv_pools import KVPools, PoolRequest, bytes_per_block, pool_blocks, weights_bytes
-from .packer import Packer
+from ..graphs.contract import DECODE, PREFILL
+from .constraints import Constraint
+from .deploy_config import EngineConfig
+from .kv_cache_manager import CacheStats, KVCacheManager
+from .kv_pools import KVPools
 from .logits_processors import Penalties
+from .model_runner import GraphError, ModelRunner, RunStats, step_limits
+from .output_processor import CompletionOutput, OutputProcessor, RequestMetrics, RequestOutput
 from .progress import RequestProgress
-from .prompt_logprobs import PromptLogprobs, prompt_logprob_entries
-from .sampler import Sampler, top_logprobs
+from .sampler import Sampler
 from .sampling_params import (CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, RequestError, SamplingParams,
-                                     resolve_max_tokens)
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
-from .spec.build import speculator_for
-from .spec.config import SpeculativeConfig, speculative_config
+                              resolve_max_tokens)
+from .scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
+from .spec.build import Target, speculator_for
 from .structured_output import GrammarCompiler, StructuredOutputs
-from .tokenizer import IncrementalDetokenizer, Prompt, PromptEncoder, Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    # The KV pool's size: num_blocks wins over kv_cache_bytes; neither: sized from the model and the free memory
-    # (runtime/kv_pools.py, pool_blocks). Too small for one max_model_len sequence is an error at start.
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the artifact's
-    threads: int | None = None
-    gears: Mapping[str, Seq[Gear]] | None = None  # serve a subset of the exported gears (deployment buckets)
-    enable_prefix_caching: bool = True
-    prefix_cache_salt: str = ""  # mixed into every block hash: deployments with different salts share no blocks
-    long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step (see Scheduler)
-    enable_chunked_prefill: bool = True  # false: every prompt in one step (needs max_num_batched_tokens >= max_model_len)
-    # Greedy output independent of what else runs (Scheduler and Packer; docs/performance.md, "Batch invariance").
-    batch_invariant: bool = True
-    executor: str = "onnxruntime"  # or "mindspore": the artifact's CPU MINDIR graphs (runtime/executors.py)
-    # ONNX Runtime only: the fused ops as pagedgraph's C++ custom ops; "auto" falls back (one warning) when they
-    # cannot be built, "on" raises instead, "off" runs their ONNX function bodies. MindSpore ignores it: its
-    # MINDIR graphs call pagedgraph's kernels themselves.
-    custom_ops: CustomOps = "auto"
-    # What the KV pools hold: "auto" (the artifact's compute dtype), float32, bfloat16, float16 or int8; the
-    # artifact must have that dtype's graphs (export.kv_cache_dtypes). Pool sizing follows its bytes per block.
-    kv_cache_dtype: str = "auto"
-    # vLLM's speculative_config (runtime/spec/config.py): a SpeculativeConfig, or its keys as a mapping or JSON.
-    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
-
-    def __post_init__(self) -> None:
-        check_custom_ops(self.custom_ops)
-        object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
-        if self.kv_cache_dtype != "auto":
-            cache_format(self.kv_cache_dtype)  # a clear error for an unknown name
+from .tokenizer import Prompt, PromptEncoder, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -83,74 +47,46 @@ class RuntimeInfo:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
-    """A finished request's timeline (perf_counter seconds), as vLLM's RequestOutput.metrics reports it."""
-
-    arrival_time: float
-    first_scheduled_time: float | None  # None: never ran (aborted while waiting)
-    first_token_time: float | None
-    last_token_time: float | None
-    finished_time: float
-    inter_token_latencies: list[float]  # gap before each token after the first, per completion of the request
-
-    @property
-    def time_in_queue(self) -> float:
-        return (self.first_scheduled_time or self.finished_time) - self.arrival_time
-
-
 @dataclass
-class CompletionOutput:
-    """One of a request's `n` completions."""
+class EngineStats(RunStats):
+    """Cumulative counters for metrics and benchmarks: the runner's (steps, graph time, gears hit) and the engine's."""
 
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    outputs: list[CompletionOutput] = field(default_factory=list)  # all n; token_ids/text above are the first's
-    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
-    metrics: RequestMetrics | None = None  # set once the request has finished
-
-    @property
-    def finished(self) -> bool:
-        if self.outputs:
-            return all(o.finish_reason is not None for o in self.outputs)
-        return self.finish_reason is not None
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters for metrics and benchmarks."""
-
-    steps: int = 0
     host_s: float = 0.0
-    graph_s: float = 0.0
-    tokens_computed: int = 0  # rows the graphs ran, padding included
-    tokens_real: int = 0
     generated: int = 0
-    bucket_hits: dict[str, int] = field(default_factory=dict)
     cache: CacheStats = field(default_factory=CacheStats)  # live KV counters: hit rate, evictions
     load_s: float = 0.0  # building the engine: manifest, tokenizer, KV pool, the executor's session
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state in one call (`LLMEngine.snapshot`, on the engine's thread): what the server's /metrics
+    reads, so it never reaches into the engine's parts."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int  # the null block excluded
+    kv_blocks_free: int  # evictable prefix-cache blocks included
+    kv_blocks_cached: int  # registered in the prefix cache, used or evictable
+    steps: int
+    graph_s: float
+    host_s: float
+    tokens_computed: int
+    tokens_real: int
+    generated: int
+    preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int
+    bucket_hits: dict[str, int] = field(default_factory=dict)
+    processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
+    kv_bytes_per_block: int = 0  # K and V of every layer for one block, in the pools' dtype
+    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.to_dict(); None: no speculative decoding
+
+
 class LLMEngine:
-    def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig(),
-                 shared_kv: SharedKV | None = None) -> None:
-        """`shared_kv`: another engine's KV pools and block manager to run on instead of its own (a draft of the same
-        model runs on its target's, runtime/spec/draft.py); their cache dtype wins over `config.kv_cache_dtype`."""
+    """Requests in, outputs out, one step at a time: the scheduler picks what runs, the model runner runs its gear,
+    the sampler (or a speculative verification) picks tokens, the output processor appends them."""
+
+    def __init__(self, artifact: str | Path, config: EngineConfig = EngineConfig()) -> None:
         start = time.perf_counter()
         self.artifact = Path(artifact)
         self.manifest = Manifest.load(self.artifact)
@@ -161,50 +97,53 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.artifact)
         self.max_model_len = min(config.max_model_len or self.manifest.max_model_len, self.manifest.max_model_len)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
-        self.packer = Packer(self.manifest, config.batch_invariant)
-        self.max_num_seqs, self.max_num_batched_tokens, self.max_logits_rows = self.packer.selector.fit_limits(
-            config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_logits_rows = step_limits(
+            self.manifest, config.max_num_seqs, config.max_num_batched_tokens)
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"enable_chunked_prefill = false needs max_num_batched_tokens >= max_model_len, but "
                              f"max_num_batched_tokens is {self.max_num_batched_tokens} (clamped to the largest "
                              f"prefill gear) and max_model_len {self.max_model_len}: lower max_model_len, or "
                              f"enable chunked prefill")
-        self.kv_cache_dtype = self.manifest.kv_cache_dtype(
-            shared_kv.pools.kv_cache_dtype if shared_kv else config.kv_cache_dtype, self.artifact)
-        if shared_kv is None:
-            blocks = pool_blocks(PoolRequest(bytes_per_block(self.manifest, self.kv_cache_dtype),
-                                             self.manifest.block_size, self.max_model_len, self.max_num_seqs,
-                                             config.num_blocks, config.kv_cache_bytes, weights_bytes(self.artifact)))
-            self.pools = KVPools(self.manifest, blocks, self.kv_cache_dtype)
-            # The cache dtype is part of every block hash: blocks of two dtypes never match.
-            self.kv = KVCacheManager(self.pools.num_blocks, self.manifest.block_size, config.enable_prefix_caching,
-                                     f"kv_cache_dtype={self.kv_cache_dtype};".encode() +
-                                     config.prefix_cache_salt.encode())
-        else:
-            self.pools, self.kv = shared_kv.pools, shared_kv.manager
+        self.kv_cache_dtype = self.manifest.kv_cache_dtype(config.kv_cache_dtype, self.artifact)
+        pools = KVPools.sized(self.artifact, self.manifest, self.kv_cache_dtype, self.max_model_len, self.max_num_seqs,
+                              config.num_blocks, config.kv_cache_bytes)
+        self.stats = EngineStats()
+        self.runner = ModelRunner(self.artifact, self.manifest, pools, config.executor, config.threads,
+                                  config.custom_ops, config.batch_invariant, self.stats)
+        self.kv = KVCacheManager.for_pools(pools, config.enable_prefix_caching, config.prefix_cache_salt)
+        self.stats.cache = self.kv.stats
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.enable_chunked_prefill,
                                    self.max_logits_rows, config.batch_invariant)
-        self.executor = make_executor(config.executor, self.artifact, self.manifest, self.pools, config.threads,
-                                      config.custom_ops)
-        self.stats = EngineStats(cache=self.kv.stats)
-        self.sampler = Sampler(self.model.vocab_size, [Penalties(self.model.vocab_size, self.tokenizer.eos_token_ids)])
         self.custom_ops_setting = config.custom_ops
-        self.executor_name = config.executor
-        self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.model.vocab_size))
-        self.sampler.add(self.structured)
-        # What a request without SamplingParams gets: the model's generation defaults (manifest), else ours.
-        self.default_params = SamplingParams.from_defaults(self.manifest.sampling_defaults)
-        self.speculator = speculator_for(config, self)
-        self._detok: dict[Sequence, IncrementalDetokenizer] = {}
+        self._wire_sampling(config)
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its sequences: the first, then its forks
         self._ids = itertools.count()
         self.stats.load_s = time.perf_counter() - start
+
+    def _wire_sampling(self, config: EngineConfig) -> None:
+        """The sampler with its logits processors, the output processor, the defaults and the speculator."""
+        vocab = self.model.vocab_size
+        self.sampler = Sampler(vocab, [Penalties(vocab, self.tokenizer.eos_token_ids)])
+        self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, vocab))
+        self.sampler.add(self.structured)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.structured)
+        # What a request without SamplingParams gets: the model's generation defaults (manifest), else ours.
+        self.default_params = SamplingParams.from_defaults(self.manifest.sampling_defaults)
+        target = Target(self.artifact, self.manifest, self.max_model_len, self.max_logits_rows, self.tokenizer,
+                        self.runner, self.kv, self.structured,
+                        lambda seq: not self.sampler.wants(seq, ignoring=self.structured))
+        self.speculator = speculator_for(config, target)
 
     # -- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
         """The one request-id minter (the server's too); safe from any thread: `next` on a count is atomic."""
         return f"req-{next(self._ids)}"
+
+    def compile_grammar(self, constraint: Constraint) -> None:
+        """Compile a request's constraint ahead of `add_request`, which then finds it cached; thread-safe, so the
+        server compiles on its tokenizer thread (a bad one raises RequestError, a large one never stalls a step)."""
+        self.structured.compiler.compile(constraint)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
@@ -241,7 +180,6 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled (or found cached) here: a bad one queues nothing
             self.structured.start(seq)
         self._groups[request_id] = [seq]
-        self._detok[seq] = self.tokenizer.detokenizer(skip_special_tokens=True)
         self.scheduler.add(seq)
         return seq
 
@@ -256,7 +194,7 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one bucket graph; returns the requests that progressed (finished ones included)."""
-        start = time.perf_counter()
+        start, graph_s = time.perf_counter(), self.stats.graph_s
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -264,40 +202,28 @@ class LLMEngine:
             self.speculator.scheduled(batch)
         if batch is None:
             return []
-        family, gear = self.packer.select(batch)
-        inputs = self.packer.pack(batch, gear)
-        graph_start = time.perf_counter()
         try:
-            if batch.copies:
-                self.pools.copy_blocks(batch.copies)
-            logits = self.executor.run(gear, inputs)
-        except Exception as exc:  # a failed step fails its own requests only
-            graph_end = time.perf_counter()
-            groups = {s.request_id: self._groups[s.request_id] for s in batch.seqs}
-            for seq in batch.seqs:
-                seq.error = f"graph execution failed: {exc}"
-                self._finish(seq, "error")
-            outputs = [self._output(g) for g in groups.values()]
+            logits = self.runner.run(batch)
+        except GraphError as exc:  # a failed step fails its own requests only
+            outputs = self._fail(batch, f"graph execution failed: {exc}")
         else:
-            graph_end = time.perf_counter()
-            outputs = self._postprocess(batch.seqs, batch.num_tokens, logits, start)
-        stats = self.stats
-        stats.steps += 1
-        stats.graph_s += graph_end - graph_start
-        stats.host_s += (graph_start - start) + (time.perf_counter() - graph_end)
-        stats.tokens_computed += gear.tokens
-        stats.tokens_real += batch.total_tokens
-        key = gear.label(family)
-        stats.bucket_hits[key] = stats.bucket_hits.get(key, 0) + 1
+            outputs = self._postprocess(batch, logits, start)
+        self.stats.host_s += time.perf_counter() - start - (self.stats.graph_s - graph_s)
         return outputs
 
-    def _postprocess(self, seqs: list[Sequence], num_tokens: list[int], logits: Any,
-                     start: float) -> list[RequestOutput]:
+    def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        groups = {s.request_id: self._groups[s.request_id] for s in batch.seqs}
+        for seq in batch.seqs:
+            seq.error = error
+            self._finish(seq, "error")
+        return [self.outputs.output(g) for g in groups.values()]
+
+    def _postprocess(self, batch: ScheduledBatch, logits: np.ndarray, start: float) -> list[RequestOutput]:
         rows, ready = [], []
         groups: dict[str, list[Sequence]] = {}
         in_order = True  # rows == 0, 1, 2, ...: every row sampled once, in order (decode steps)
-        extra = len(seqs)  # the per-token rows (prompt logprobs, drafts) follow the per-sequence rows (ScheduledBatch)
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+        extra = len(batch.seqs)  # the per-token rows (prompt logprobs, drafts) follow the per-sequence rows
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
             if seq.num_draft_tokens:
@@ -307,7 +233,7 @@ class LLMEngine:
                 in_order = False
                 continue
             if seq.wants_prompt_logprobs:
-                self._prompt_logprobs(seq, n, logits, i, extra)
+                self.outputs.prompt_logprobs(seq, n, logits, i, extra)
                 extra += n - 1
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
@@ -320,13 +246,11 @@ class LLMEngine:
             # choices").
             sampled = logits[:len(rows)] if in_order else logits[rows]
             for row, seq, token in zip(sampled, ready, self.sampler.sample(sampled, ready)):
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
                 groups[seq.request_id] = self._groups[seq.request_id]
-                self._append(seq, token)
-        return [self._output(g) for g in groups.values()]
+                self._append(seq, token, row)
+        return [self.outputs.output(g) for g in groups.values()]
 
-    def _verify(self, seq: Sequence, logits: Any, picks: list[int]) -> None:
+    def _verify(self, seq: Sequence, logits: np.ndarray, picks: list[int]) -> None:
         """Keep the drafts the target agrees with (runtime/spec): `picks` are the logits rows of the fed tokens."""
         assert self.speculator is not None
         rows = self.speculator.rows(logits, picks)
@@ -335,29 +259,10 @@ class LLMEngine:
         for row, token in zip(rows, tokens):
             # The tokens so far have their K/V: register the blocks they fill, as a plain run's steps would have.
             self.kv.cache_blocks(seq, seq.num_tokens)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
             self.speculator.emitted(seq, token)
-            self._append(seq, token)
+            self._append(seq, token, row)
             if seq.finished:
                 return
-
-    @staticmethod
-    def _prompt_logprobs(seq: Sequence, n: int, logits: Any, row: int, extra: int) -> None:
-        """Append the entries of the prompt tokens this step's chunk predicts.
-
-        The chunk's positions s .. s+n-2 are at logits rows extra .. extra+n-2 and its last position at
-        `row`; position p predicts token p+1. After a preemption the chunks start again at 0, so the
-        positions whose entries are already there are skipped.
-        """
-        assert seq.prompt_logprobs is not None
-        start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
-        lo, hi = done - 1 - start, min(n, seq.num_prompt_tokens - 1 - start)
-        if hi <= lo:
-            return
-        picks = [extra + i if i < n - 1 else row for i in range(lo, hi)]
-        targets = seq.prompt_token_ids[start + lo + 1:start + hi + 1]
-        seq.prompt_logprobs.extend(prompt_logprob_entries(logits[picks], targets, seq.params.prompt_logprobs))
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its n - 1 forks when its prompt has just been computed for the first time.
@@ -375,95 +280,56 @@ class LLMEngine:
                              token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens, rng=rng,
                              prompt_logprobs=seq.prompt_logprobs, first_scheduled_time=seq.first_scheduled_time)
             self.scheduler.fork(seq, child)
-            self._detok[child] = self.tokenizer.detokenizer(skip_special_tokens=True)
             group.append(child)
         return group
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        now = time.perf_counter()
-        if seq.last_token_time is None:
-            seq.first_token_time = now
-        else:
-            seq.inter_token_latencies.append(now - seq.last_token_time)
-        seq.last_token_time = now
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, token: int, row: np.ndarray) -> None:
         self.stats.generated += 1
-        params = seq.params
-        grammar = self.structured.state(seq) if params.structured_outputs is not None else None
-        if grammar is not None and grammar.error is not None:
-            seq.error = grammar.error
-            return self._finish(seq, "error")
-        # Before min_tokens the sampler masks EOS and stop_token_ids, and stop strings do not count (as in vLLM).
-        if (token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)) \
-                and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
-            return self._finish(seq, "stop")
-        piece = self._detok[seq].push(token)
-        if piece:
-            seen = len(seq.text)
-            seq.text += piece
-            for stop in params.stop if len(seq.token_ids) - seq.num_prompt_tokens > params.min_tokens else ():
-                at = seq.text.find(stop, max(0, seen - len(stop) + 1))
-                if at >= 0:
-                    seq.text = seq.text[:at]
-                    return self._finish(seq, "stop", flush=False)
-        if grammar is not None and grammar.complete:  # nothing but EOS could follow
-            return self._finish(seq, "stop")
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+        reason = self.outputs.append(seq, token, row)
+        if reason is not None:
+            self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
-        """`flush=False` when a stop string cut the text: held-back bytes lie past the cut."""
-        seq.finish_reason = reason
-        seq.finished_time = time.perf_counter()
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.outputs.finish(seq, reason)
         seq.drop_drafts()
         if self.speculator is not None:
             self.speculator.release(seq)
-        detok = self._detok.pop(seq)
-        if flush:
-            seq.text += detok.flush()
         self.scheduler.finish(seq, keep_cached=reason != "error")
         if all(s.finished for s in self._groups[seq.request_id]):
             del self._groups[seq.request_id]
 
-    @staticmethod
-    def _output(group: list[Sequence]) -> RequestOutput:
-        first = group[0]
-        completions = [CompletionOutput(i, s.output_token_ids, s.text, s.finish_reason, s.logprobs)
-                       for i, s in enumerate(group)]
-        return RequestOutput(first.request_id, first.prompt_token_ids, first.output_token_ids, first.text,
-                             first.finish_reason, next((s.error for s in group if s.error), None),
-                             first.num_cached_tokens, first.logprobs, completions, first.prompt_logprobs,
-                             LLMEngine._metrics(group) if all(s.finished for s in group) else None)
+    # -- what the engine reports ------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and the KV pool's state now (call it on the engine's thread)."""
+        stats, cache, kv, scheduler = self.stats, self.stats.cache, self.kv.usage(), self.scheduler
+        return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, kv.total, kv.free, kv.cached,
+                              stats.steps, stats.graph_s, stats.host_s, stats.tokens_computed, stats.tokens_real,
+                              stats.generated, scheduler.num_preemptions, cache.queries, cache.hits,
+                              dict(stats.bucket_hits), dict(self.sampler.seconds), self.runner.pools.bytes_per_block,
+                              self.speculator.stats.to_dict() if self.speculator is not None else None)
 
-    @staticmethod
-    def _metrics(group: list[Sequence]) -> RequestMetrics:
-        first = [s.first_token_time for s in group if s.first_token_time is not None]
-        last = [s.last_token_time for s in group if s.last_token_time is not None]
-        return RequestMetrics(group[0].arrival, group[0].first_scheduled_time, min(first, default=None),
-                              max(last, default=None), max(s.finished_time or 0.0 for s in group),
-                              [gap for s in group for gap in s.inter_token_latencies])
+    def describe(self) -> list[str]:
+        """What was loaded, in words (the server logs it): the gears served, the KV pool, the scheduler limits."""
+        prefill, decode = self.runner.gears[PREFILL], self.runner.gears[DECODE]
+        pools = self.runner.pools
+        return [f"buckets: prefill T={sorted({g.tokens for g in prefill})} (B<={max(g.seqs for g in prefill)}), "
+                f"decode B={sorted({g.seqs for g in decode})}, context M={sorted({g.blocks for g in prefill + decode})}"
+                f"; {len(prefill)} prefill + {len(decode)} decode gears",
+                f"KV pool: {pools.num_blocks} blocks x {pools.block_size} tokens = {pools.num_slots} token slots, "
+                f"{pools.nbytes / 2**20:.1f} MiB of {pools.kv_cache_dtype} ({pools.bytes_per_block} bytes per block)",
+                f"scheduler: max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_num_batched_tokens}, "
+                f"max_model_len {self.max_model_len} (limits clamped to the gears)"]
 
     def runtime_info(self) -> RuntimeInfo:
         """The executor, whether the custom kernels run, and the precision (weights, KV cache)."""
-        custom = self.executor.custom_ops
-        return RuntimeInfo(executor=self.executor_name, custom_ops=True if custom is None else bool(custom),
+        custom = self.runner.executor.custom_ops
+        variance = "scheduler.batch_invariant is false" if not self.scheduler.batch_invariant \
+            else self.runner.batch_variance()
+        return RuntimeInfo(executor=self.runner.executor_name, custom_ops=True if custom is None else bool(custom),
                            custom_ops_setting=self.custom_ops_setting, dtype=self.manifest.dtype,
                            kv_cache_dtype=self.kv_cache_dtype,
                            quantization=None if self.manifest.quantization == "none" else self.manifest.quantization,
-                           weight_formats=dict(self.manifest.weight_formats), batch_variance=self._batch_variance())
-
-    def _batch_variance(self) -> str | None:
-        if not self.scheduler.batch_invariant:
-            return "scheduler.batch_invariant is false"
-        if self.executor_name != "onnxruntime":
-            return f"not checked on the {self.executor_name} executor"
-        if self.executor.custom_ops is False:
-            return ("the fused ops run as their ONNX function bodies (custom ops off or unbuilt), whose attention "
-                    "reductions follow the batch")
-        odd = self.packer.odd_widest_gears()
-        if odd:
-            return f"the widest gears {odd} have an odd T or B: MatMulNBits computes a lone last row another way"
-        return None
+                           weight_formats=dict(self.manifest.weight_formats), batch_variance=variance)
 
 
 class LLM:
@@ -506,5 +372,5 @@ class LLM:
         return [results[i] for i in range(len(prompts))]
 
 
-__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "RuntimeInfo",
-           "SequenceStatus"]
+__all__ = ["CompletionOutput", "EngineConfig", "EngineSnapshot", "LLM", "LLMEngine", "RequestMetrics", "RequestOutput",
+           "RuntimeInfo", "SequenceStatus"]

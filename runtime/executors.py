@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 
@@ -11,7 +11,8 @@ from ..graphs.contract import Gear
 from .executor_ort import CUSTOM_OPS, CustomOps, OrtExecutor, check_custom_ops
 from .kv_pools import KVPools
 
-EXECUTORS = ("onnxruntime", "mindspore")
+ExecutorName = Literal["onnxruntime", "mindspore"]
+EXECUTORS: tuple[str, ...] = get_args(ExecutorName)
 
 
 class Executor(Protocol):
@@ -56,4 +57,4 @@ def make_executor(name: str, artifact: Path, manifest: Manifest, pools: KVPools,
     raise ValueError(f"executor = {name!r}: choose one of {', '.join(EXECUTORS)}")
 
 
-__all__ = ["CUSTOM_OPS", "EXECUTORS", "CustomOps", "Executor", "check_custom_ops", "make_executor"]
+__all__ = ["CUSTOM_OPS", "EXECUTORS", "CustomOps", "Executor", "ExecutorName", "check_custom_ops", "make_executor"]

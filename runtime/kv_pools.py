@@ -65,6 +65,15 @@ class KVPools(Mapping[str, np.ndarray]):
                         for name in c.cache_names(model.num_layers)} for _ in range(self.ranks)]
         self._arrays = self._ranks[0]
 
+    @classmethod
+    def sized(cls, artifact: Path, manifest: Manifest, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int,
+              num_blocks: int | None = None, kv_cache_bytes: int | None = None) -> "KVPools":
+        """Pools of `pool_blocks`' size: num_blocks, else kv_cache_bytes, else every sequence at max_model_len within
+        the memory left free after the artifact's weights."""
+        request = PoolRequest(bytes_per_block(manifest, kv_cache_dtype), manifest.block_size, max_model_len,
+                              max_num_seqs, num_blocks, kv_cache_bytes, weights_bytes(artifact))
+        return cls(manifest, pool_blocks(request), kv_cache_dtype)
+
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size

@@ -17,12 +17,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..graphs.contract import DECODE, PREFILL, Gear, ladder_gears
-from .packer import GearSelector, StepShape
+from ..graphs.contract import DECODE, MAX_GEARS_PER_FAMILY, PREFILL, Gear, ladder_gears
+from .model_runner import GearSelector, StepShape
 from .step_replay import Padding, ServeLimits, padding, replay
 from .traffic import TraceRequest
 
-MAX_GEARS_PER_FAMILY = 100  # ATC --dynamic_dims
 MAX_DISTINCT_SIZES = 1024  # beyond this, sizes are rounded up to a grid so the search stays within a second
 
 

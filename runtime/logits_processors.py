@@ -13,7 +13,7 @@ from typing import Protocol, Sequence as Seq
 
 import numpy as np
 
-from .sequence import Sequence
+from .scheduler import Sequence
 
 
 class LogitsProcessor(Protocol):

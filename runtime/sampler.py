@@ -13,7 +13,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from .logits_processors import LogitsProcessor
-from .sequence import Sequence
+from .scheduler import Sequence
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:
@@ -111,10 +111,10 @@ class Sampler:
             self.seconds[processor.name] += time.perf_counter() - start
         return tokens
 
-    def wants(self, seq: Sequence) -> bool:
-        """Whether some logits processor edits this sequence's rows."""
+    def wants(self, seq: Sequence, ignoring: LogitsProcessor | None = None) -> bool:
+        """Whether some logits processor (but `ignoring`) edits this sequence's rows."""
         for processor in self.processors:
-            if processor.wants(seq):
+            if processor is not ignoring and processor.wants(seq):
                 return True
         return False
 

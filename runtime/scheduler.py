@@ -1,8 +1,10 @@
-"""Continuous batching under a token budget: decodes first, chunked prefill, preemption by recompute.
+"""Sequences (a request's state as it moves through the engine) and the scheduler that runs them: continuous
+batching under a token budget, decodes first, chunked prefill, preemption by recompute.
 
-Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs` sequences:
-running decodes first, then running prefill chunks, then new admissions (FCFS, prefix hits
-first), so a long prompt is fed in block-aligned chunks and cannot stall decodes. When a running
+A sequence is waiting, running or finished (`SequenceStatus`: the scheduler's states). Each step spends at most
+`max_num_batched_tokens` tokens on at most `max_num_seqs` sequences: running decodes first, then running prefill
+chunks, then new admissions (FCFS, prefix hits first), so a long prompt is fed in block-aligned chunks and cannot
+stall decodes. When a running
 sequence needs a block and none is free or evictable, the lowest-priority running sequence (the
 latest arrival, `running[-1]`) is preempted: its blocks are freed (they stay cached) and it returns
 to the front of the waiting queue with its tokens, to be recomputed on readmission.
@@ -10,11 +12,117 @@ to the front of the waiting queue with its tokens, to be recomputed on readmissi
 from __future__ import annotations
 
 import bisect
+import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from .kv_cache_manager import CopyPairs, KVCacheManager
-from .sequence import Sequence, SequenceStatus
+from .prompt_logprobs import PromptLogprobs
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, cache position and block table of a request.
+
+    `num_computed_tokens` counts tokens whose K/V are in the pool; the next step feeds
+    tokens[num_computed_tokens : num_computed_tokens + chunk].
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # filled in prompt order while `wants_prompt_logprobs`
+    first_scheduled_time: float | None = None  # perf_counter of the first step that fed it
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    rng: np.random.Generator | None = None
+    # The sampler's logits processors keep what they track of this sequence here, by processor name.
+    processor_state: dict[str, Any] = field(default_factory=dict)
+    # Proposed tokens (speculative decoding) at the end of token_ids, fed with the last real token for the
+    # target to verify; only within a step: runtime/spec/speculator.py adds them before scheduling and
+    # removes them when the step's logits are in (or the sequence was not scheduled).
+    num_draft_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.rng is None and not self.params.greedy:
+            self.rng = np.random.default_rng(self.params.seed)
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no prefix to be predicted from
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True until every prompt token has its log-probability: until then each token fed needs a logits
+        row of its own (the scheduler and packer make room) and the prefix cache is not read."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_tokens - self.num_draft_tokens:]
+
+    @property
+    def num_verified_tokens(self) -> int:
+        """Tokens that are the sequence's own: the drafts excluded (only those may enter the prefix cache)."""
+        return self.num_tokens - self.num_draft_tokens
+
+    def set_drafts(self, draft: list[int]) -> None:
+        self.drop_drafts()
+        self.token_ids.extend(draft)
+        self.num_draft_tokens = len(draft)
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Remove the drafts after the first `keep`."""
+        if self.num_draft_tokens > keep:
+            del self.token_ids[self.num_tokens - self.num_draft_tokens + keep:]
+            self.num_draft_tokens = keep
+
+    @property
+    def wants_token_rows(self) -> bool:
+        """A logits row for every token fed this step: prompt logprobs, or drafts to verify."""
+        return self.num_draft_tokens > 0 or self.wants_prompt_logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
 
 
 def _arrival(seq: Sequence) -> float:
@@ -35,7 +143,7 @@ class ScheduledBatch:
     # token (prompt logprobs, runtime/prompt_logprobs.py; drafts to verify, runtime/spec), in batch order after
     # the per-sequence rows.
     token_rows: int = 0
-    # Every chunk fed as one-query rows over its sequence's block table, each a decode row (runtime/packer.py): a
+    # Every chunk fed as one-query rows over its sequence's block table, each a decode row (runtime/model_runner.py): a
     # draft model's catch-up, a few tokens that a decode gear computes for less than a prefill gear.
     decode_rows: bool = False
 
@@ -46,6 +154,20 @@ class ScheduledBatch:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
+
+    def add(self, seq: Sequence, n: int, copies: CopyPairs) -> None:
+        """Feed `n` tokens of `seq` after the sequences already added (callers add in `packing_order`)."""
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.copies.extend(copies)
+
+
+def packing_order(plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """(sequence, tokens fed) in packing order (docs/design.md, "The ordering rule"): chunks first, as given, then
+    single tokens by context length, longest first, so the graph can split the decodes into two groups that each
+    read what they use."""
+    singles = sorted((e for e in plan if e[1] == 1), key=lambda e: -e[0].num_computed_tokens)
+    return [e for e in plan if e[1] > 1] + singles
 
 
 class Scheduler:
@@ -195,14 +317,7 @@ class Scheduler:
                 extra_rows += n - 1
         if not plan:
             return None
-        # Packing order (docs/design.md): chunks first, then single tokens by context length, longest
-        # first, so the graph can split the decodes into two groups that each read what they use.
         batch = ScheduledBatch(token_rows=extra_rows)
-        chunks = [seq for seq, (n, _) in plan.items() if n > 1]
-        singles = sorted((seq for seq, (n, _) in plan.items() if n == 1), key=lambda s: -s.num_computed_tokens)
-        for seq in chunks + singles:
-            n, copies = plan[seq]
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            batch.copies.extend(copies)
+        for seq, n in packing_order([(seq, n) for seq, (n, _) in plan.items()]):
+            batch.add(seq, n, plan[seq][1])
         return batch

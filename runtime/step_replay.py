@@ -15,29 +15,32 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ..artifact.settings import default
 from ..graphs.contract import Gear
+from .deploy_config import Deployment
 from .kv_cache_manager import KVCacheManager
 from .kv_pools import PoolRequest
-from .packer import GearSelector, StepShape, step_shape
+from .model_runner import GearSelector, StepShape, step_shape
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .scheduler import Scheduler, Sequence
 from .traffic import TraceRequest
 
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """The deployment settings that decide what a step holds (the `scheduler` and `kv_cache` sections)."""
+    """The deployment settings that decide what a step holds (the `scheduler` and `kv_cache` sections), with the
+    deployment schema's defaults."""
 
     max_model_len: int
     block_size: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int | None = None
-    enable_chunked_prefill: bool = True
-    batch_invariant: bool = True
-    enable_prefix_caching: bool = True
-    num_blocks: int | None = None  # default: the engine's when memory allows, every sequence at full length
+    max_num_seqs: int = default(Deployment, "scheduler.max_num_seqs")
+    max_num_batched_tokens: int = default(Deployment, "scheduler.max_num_batched_tokens")
+    long_prefill_token_threshold: int | None = default(Deployment, "scheduler.long_prefill_token_threshold")
+    enable_chunked_prefill: bool = default(Deployment, "scheduler.enable_chunked_prefill")
+    batch_invariant: bool = default(Deployment, "scheduler.batch_invariant")
+    enable_prefix_caching: bool = default(Deployment, "kv_cache.enable_prefix_caching")
+    # None: the engine's when memory allows, every sequence at full length
+    num_blocks: int | None = default(Deployment, "kv_cache.num_blocks")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .sampling_params import RequestError
 if TYPE_CHECKING:
     import llguidance
 
-    from .sequence import Sequence
+    from .scheduler import Sequence
     from .tokenizer import Tokenizer
 
 # JSON is written on one line with the standard separators and no free whitespace: a small model

@@ -8,7 +8,7 @@ prepacking and kernel choice are those of a served graph), at SmolLM2-135M's sha
 
 - row-wise ops (every Linear variant, DynamicQuant, RmsNorm, SwiGLU): the first and last rows of one [M, K] input,
   M = 2 to 2,048, against each row alone (M = 1) and against it with one zero row after it (M = 2), apart for odd
-  and even M: with block-quantized linears the runtime runs even row counts only (runtime/packer.py), so for
+  and even M: with block-quantized linears the runtime runs even row counts only (runtime/model_runner.py), so for
   Linear.block_quantized those must match, for every other op the row alone must;
 - PagedAttention per cache dtype, decode: one sequence's row alone against it among 2, 7 and 16 other sequences;
 - PagedAttention per cache dtype, chunking: a prompt's row at position p in prefill chunks of 2 to 200 rows, at
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pagedgraph.cpu_kernels.build import ort_library_path
         library = str(ort_library_path())
     rng = np.random.default_rng(0)
-    failed = False  # a row that differs where the runtime relies on it (runtime/packer.py: even M is padded for)
+    failed = False  # a row that differs where the runtime relies on it (runtime/model_runner.py: even M is padded for)
     print(f"{'case':<56} {'vs M=1, any M':<26} {'vs M=2, odd M':<26} {'vs M=2, even M':<26}")
     for case in linear_cases(rng):
         if args.only in case.label:

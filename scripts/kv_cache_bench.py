@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"artifact": args.artifact, "dtypes": dtypes, "budget_bytes": args.budget}
 
     engines = {d: _engine(args.artifact, d, args.threads, kv_cache_bytes=args.budget) for d in dtypes}
-    out["blocks_per_budget"] = {d: e.pools.num_blocks for d, e in engines.items()}
-    out["bytes_per_block"] = {d: e.pools.bytes_per_block for d, e in engines.items()}
+    out["blocks_per_budget"] = {d: e.runner.pools.num_blocks for d, e in engines.items()}
+    out["bytes_per_block"] = {d: e.runner.pools.bytes_per_block for d, e in engines.items()}
     steps: dict[str, dict[int, float]] = {d: {} for d in dtypes}
     for _ in range(args.rounds):
         for ctx in contexts:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = workloads.mixed(engine.model.vocab_size, args.mixed_requests, seed=0)
         record = run_engine(engine, requests)
         figures = record.figures()
-        out["mixed"][d] = {"kv_cache_blocks": engine.pools.num_blocks, "preemptions": figures["preemptions"],
+        out["mixed"][d] = {"kv_cache_blocks": engine.runner.pools.num_blocks, "preemptions": figures["preemptions"],
                            "total_s": figures["total_s"], "throughput_tok_s": figures["throughput_tok_s"],
                            "steps": figures["steps"]}
         print(f"mixed {d}: {out['mixed'][d]}", file=sys.stderr)

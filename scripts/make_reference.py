@@ -11,6 +11,8 @@ writes:
   comparison can tell a real divergence from a near-tie flipped by rounding.
 - tests/data/tokenizer_reference.json: transformers' ids and decoded text for a fixed set of
   strings that stress the tokenizer.
+- tests/data/reference_perplexity.json: the perplexity of the held-out text's first characters in windows
+  (`PERPLEXITY`), with scripts/hf_perplexity.py's loop: what `pagedgraph eval` must reproduce.
 
 Before generating it checks that `read_gguf` yields exactly transformers' weights, since the
 reference is only useful if both sides run the same model.
@@ -33,8 +35,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf  # noqa: E402
+from pagedgraph.texts import shipped_text  # noqa: E402
+from scripts.hf_perplexity import hf_perplexity  # noqa: E402
 
 DATA = REPO / "tests" / "data"
+# The held-out text's first characters, scored in overlapping windows: a few hundred tokens, every window path.
+PERPLEXITY = {"text": "heldout", "characters": 1500, "context": 128, "stride": 64}
 
 TOKENIZER_STRINGS = [
     "",
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, default=DATA / "reference_prompts.jsonl")
     parser.add_argument("--out", type=Path, default=DATA / "reference_smollm2.json")
     parser.add_argument("--tokenizer-out", type=Path, default=DATA / "tokenizer_reference.json")
+    parser.add_argument("--perplexity-out", type=Path, default=DATA / "reference_perplexity.json")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     check_weights(model, path)
 
     _write_json(args.tokenizer_out, [_tokenizer_case(tokenizer, text) for text in TOKENIZER_STRINGS])
+    _write_json(args.perplexity_out, [perplexity_reference(model, tokenizer)])
 
     requests = [json.loads(line) for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
     results = []
@@ -110,6 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "top2_gap": gaps})
         print(f"request {number}: {len(prompt_ids)} prompt tokens, min top-2 gap {min(gaps):.4f}", file=sys.stderr)
     _write_json(args.out, results)
+
+
+def perplexity_reference(model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+    ids = tokenizer(shipped_text(PERPLEXITY["text"])[:PERPLEXITY["characters"]])["input_ids"]
+    perplexity, scored = hf_perplexity(model, ids, PERPLEXITY["context"], PERPLEXITY["stride"])
+    return {**PERPLEXITY, "num_tokens": len(ids), "num_scored": scored, "perplexity": perplexity}
 
 
 def check_weights(model: torch.nn.Module, path: Path) -> None:

@@ -219,7 +219,7 @@ def measure(args: argparse.Namespace, log: Any) -> tuple[dict[str, Any], bool | 
     results = {"equal": compare(args, "equal", equal, args.seed, args.max_tokens, log)}
     if args.serve:
         results["serve"] = compare(args, "serve", serve, args.seed + 1000, None, log)
-    return results, engine.executor.custom_ops
+    return results, engine.runner.executor.custom_ops
 
 
 def decoded(record: RunRecord) -> Outcome:

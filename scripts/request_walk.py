@@ -1,19 +1,21 @@
 #!/usr/bin/env python
 """Which project files one `POST /v1/completions` passes through, from the HTTP request to the executor call.
 
-    python scripts/request_walk.py --artifact DIR                      # the files, in the order they first run
-    python scripts/request_walk.py --artifact DIR --check docs/design.md   # exit 1 unless section 3 names them
+    python scripts/request_walk.py --artifact DIR                        # the files, in the order they first run
+    python scripts/request_walk.py --artifact DIR --check docs/design.md   # exit 1 unless its walk table is this one
+    python scripts/request_walk.py --artifact DIR --write docs/design.md   # regenerate that table
 
 A server (`build_app`, FastAPI's TestClient, every thread traced) answers the request once to warm up:
 first-call imports, the tokenizer thread, the gear's input buffers. Then `sys.settrace` records, for the same
 request again, every project file (outside tests/ and scripts/) in which a Python function runs, until the
-engine's `Executor.run` is entered. Only calls count: a file read only for its constants or for
-dataclass-generated methods (`graphs/contract.py`'s input names) is not on the list.
+engine's `Executor.run` is entered: the files the request crosses before the executor runs, then the executor's
+own. Only calls count: a file read only for its constants or for dataclass-generated methods
+(`graphs/contract.py`'s input names) is not on the list.
 """
 from __future__ import annotations
 
 import argparse
-import re
+import ast
 import sys
 import threading
 import time
@@ -23,9 +25,25 @@ from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedgraph.artifact.settings import replace_block  # noqa: E402
+
 REQUEST = {"prompt": "Hello there", "max_tokens": 2}
-SECTION = "## 3. One request"
 SETTLE_S = 0.5  # after a request the engine thread checks for work once more, then waits on its queue
+BEGIN = "<!-- request-walk:begin (python scripts/request_walk.py --artifact DIR --write docs/design.md) -->"
+END = "<!-- request-walk:end -->"
+NOT_PROJECT = ("tests", "scripts")
+
+
+def project_file(path: str, root: Path = ROOT) -> str | None:
+    """`path` relative to `root` when it is a project file, else None. Containment by path parts, not by string
+    prefix: a virtual environment beside the checkout named like it (`DIR` and `DIRvenv`) is not the project."""
+    resolved = Path(path)
+    if not resolved.is_absolute() or not resolved.is_relative_to(root):
+        return None
+    relative = resolved.relative_to(root)
+    return None if relative.parts[0] in NOT_PROJECT else str(relative)
 
 
 @dataclass
@@ -39,27 +57,30 @@ class Walk:
     def trace(self, frame: FrameType, event: str, arg: Any) -> None:
         if not self.on or event != "call":
             return None
-        path = frame.f_code.co_filename
-        if path.startswith(str(ROOT)) and not path.startswith((str(ROOT / "tests"), str(ROOT / "scripts"))):
-            self.files.setdefault(str(Path(path).relative_to(ROOT)), frame.f_code.co_qualname)
+        relative = project_file(frame.f_code.co_filename)
+        if relative is not None:
+            self.files.setdefault(relative, frame.f_code.co_qualname)
         if frame.f_code is self.stop:
             self.on = False
         return None
 
 
 def walk(artifact: Path) -> dict[str, str]:
-    """file -> the first function that ran in it, for one warm request (see the module docstring)."""
-    sys.path.insert(0, str(ROOT))
+    """file -> the first function that ran in it, for one warm request (see the module docstring); the last file is
+    the executor's."""
     from fastapi.testclient import TestClient
 
+    from pagedgraph.artifact.manifest import Manifest
     from pagedgraph.runtime.deploy_config import Deployment
     from pagedgraph.runtime.server.launch import build_app
 
     deployment = Deployment.model_validate({"model": {"artifact": str(artifact), "name": "walk"},
-                                            "kv_cache": {"num_blocks": 64}, "scheduler": {"max_model_len": 512},
+                                            "kv_cache": {"num_blocks": 64},
+                                            "scheduler": {"max_model_len": min(512, Manifest.load(
+                                                artifact, verify=False).max_model_len)},
                                             "executor": {"threads": 2}})
     app = build_app(deployment, "walk")
-    executor = app.state.frontend.loop.engine.executor
+    executor = app.state.frontend.loop.engine.runner.executor
     tracer = Walk(type(executor).run.__code__)
     sys.settrace(tracer.trace)
     threading.settrace(tracer.trace)
@@ -76,30 +97,45 @@ def walk(artifact: Path) -> dict[str, str]:
     return tracer.files
 
 
-def documented(design: str) -> list[str]:
-    """The files named in the walk table of docs/design.md's section 3, in table order."""
-    start = design.index(SECTION)
-    end = design.find("\n## ", start + len(SECTION))
-    return re.findall(r"^\| \d+ \| `([^`]+)` \|", design[start:end if end >= 0 else None], re.M)
+def purpose(path: str) -> str:
+    """The first sentence of the file's module docstring: what the file is for."""
+    doc = ast.get_docstring(ast.parse((ROOT / path).read_text())) or ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    return paragraph.split(". ")[0].rstrip(".")
+
+
+def table(files: dict[str, str]) -> str:
+    *crossed, executor = files.items()
+    rows = [f"| {i} | `{path}` | `{function}` | {purpose(path)} |" for i, (path, function) in enumerate(crossed, 1)]
+    return (f"**{len(crossed)} files** before the executor runs, then the executor's own (`{executor[0]}`, "
+            f"`{executor[1]}`):\n\n| step | file | first function to run | the file |\n|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
+def with_table(document: str, files: dict[str, str]) -> str:
+    return replace_block(document, BEGIN, END, table(files))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, required=True, help="an exported artifact (any ladders)")
-    parser.add_argument("--check", type=Path, help="docs/design.md: exit 1 unless its walk table names these files")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--check", type=Path, help="docs/design.md: exit 1 unless its walk table is this walk's")
+    what.add_argument("--write", type=Path, help="docs/design.md: replace its walk table with this walk's")
     args = parser.parse_args()
     files = walk(args.artifact)
-    print(f"{len(files)} files from POST /v1/completions to {list(files)[-1]}:")
-    for i, (path, function) in enumerate(files.items(), 1):
-        print(f"{i:3d}  {path:40s} {function}")
-    if args.check is None:
+    print(table(files), end="")
+    document = args.check or args.write
+    if document is None:
         return 0
-    named = documented(args.check.read_text())
-    if named != list(files):
-        print(f"{args.check}: the walk table names {len(named)} files {named}, the request ran {list(files)}; "
-              f"update the table from this list", file=sys.stderr)
+    current = document.read_text()
+    if args.write:
+        document.write_text(with_table(current, files))
+        return 0
+    if with_table(current, files) != current:
+        print(f"{document}: its walk table is not this walk's; run with --write {document}", file=sys.stderr)
         return 1
-    print(f"{args.check}: the walk table matches")
+    print(f"{document}: the walk table matches")
     return 0
 
 

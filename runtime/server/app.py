@@ -208,7 +208,7 @@ class Frontend:
         and a large one never stalls the engine loop."""
         if params.structured_outputs is None:
             return
-        await self._on_tokenizer(partial(self.loop.engine.structured.compiler.compile, params.structured_outputs),
+        await self._on_tokenizer(partial(self.loop.engine.compile_grammar, params.structured_outputs),
                                  params.structured_outputs.field)
 
     async def generate(self, request: Request, body: SamplingFields, params: SamplingParams,

@@ -11,40 +11,15 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
-from ..engine import LLMEngine, RequestOutput
+from ..engine import EngineSnapshot, LLMEngine, RequestOutput
 from ..sampling_params import DEFAULT_MAX_TOKENS, RequestError, SamplingParams
 
 log = logging.getLogger("pagedgraph.server")
 T = TypeVar("T")
 _STOP = object()
 _EXPIRED = object()
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state for /metrics, read on the engine thread."""
-
-    running: int
-    waiting: int
-    kv_blocks_total: int  # the null block excluded
-    kv_blocks_free: int  # evictable prefix-cache blocks included
-    kv_blocks_cached: int  # registered in the prefix cache, used or evictable
-    steps: int
-    graph_s: float
-    host_s: float
-    tokens_computed: int
-    tokens_real: int
-    generated: int
-    preemptions: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_hits: int
-    bucket_hits: dict[str, int] = field(default_factory=dict)
-    processor_s: dict[str, float] = field(default_factory=dict)  # seconds per logits processor of the sampler
-    kv_bytes_per_block: int = 0  # K and V of every layer for one block, in the pools' dtype
-    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.to_dict(); None: no speculative decoding
 
 
 class PromptRefused(Exception):
@@ -187,7 +162,7 @@ class EngineLoop:
         return handles
 
     async def snapshot(self) -> EngineSnapshot:
-        return await self.call(self._snapshot)
+        return await self.call(self.engine.snapshot)
 
     async def fail_all(self, reason: str, error: str) -> None:
         """End every request in the engine with `error` (finish reason `reason`); they free their blocks."""
@@ -226,16 +201,6 @@ class EngineLoop:
         if request_id in self._live:
             self._live.discard(request_id)
             self.engine.abort(request_id)
-
-    def _snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        stats, cache, kv, scheduler = engine.stats, engine.stats.cache, engine.kv.usage(), engine.scheduler
-        return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, kv.total, kv.free, kv.cached,
-                              stats.steps, stats.graph_s, stats.host_s, stats.tokens_computed, stats.tokens_real,
-                              stats.generated, scheduler.num_preemptions, cache.queries, cache.hits,
-                              dict(stats.bucket_hits), dict(engine.sampler.seconds),
-                              engine.pools.bytes_per_block,
-                              engine.speculator.stats.to_dict() if engine.speculator is not None else None)
 
     def _run(self) -> None:
         engine, commands = self.engine, self._commands

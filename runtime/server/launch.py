@@ -15,7 +15,6 @@ from fastapi import FastAPI
 
 from ...artifact.manifest import Manifest
 from ...artifact.settings import ConfigError
-from ...graphs.contract import DECODE, PREFILL
 from ..deploy_config import Deployment, engine_config
 from ..engine import LLMEngine
 from .app import Frontend, create_app
@@ -29,17 +28,9 @@ def build_app(deployment: Deployment, source: str) -> FastAPI:
     artifact = deployment.model.artifact
     config = engine_config(deployment, Manifest.load(artifact, verify=False), source)
     engine = LLMEngine(artifact, config)
-    gears = engine.packer.gears
     log.info("serving %s from %s (%s)", deployment.model_name, artifact, engine.manifest.precision())
-    log.info("buckets: prefill T=%s (B<=%d), decode B=%s, context M=%s; %d prefill + %d decode gears",
-             sorted({g.tokens for g in gears[PREFILL]}), max(g.seqs for g in gears[PREFILL]),
-             sorted({g.seqs for g in gears[DECODE]}), sorted({g.blocks for g in gears[PREFILL] + gears[DECODE]}),
-             len(gears[PREFILL]), len(gears[DECODE]))
-    pools = engine.pools
-    log.info("KV pool: %d blocks x %d tokens = %d token slots, %.1f MiB of %s (%d bytes per block)", pools.num_blocks,
-             pools.block_size, pools.num_slots, pools.nbytes / 2**20, pools.kv_cache_dtype, pools.bytes_per_block)
-    log.info("scheduler: max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d (limits clamped to the gears)",
-             engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len)
+    for line in engine.describe():
+        log.info(line)
     return create_app(EngineLoop(engine), deployment)
 
 

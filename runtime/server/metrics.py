@@ -18,8 +18,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..engine import RequestOutput
-from .engine_loop import EngineSnapshot
+from ..engine import EngineSnapshot, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -6,24 +6,40 @@ from typing import Any, Literal, Mapping
 
 from pydantic import Field, model_validator
 
-from ...artifact.settings import ConfigError, Settings, validate
+from ...artifact.settings import ConfigError, Settings, shown, validate
 
 Method = Literal["ngram", "draft_model"]
 
 
 class SpeculativeConfig(Settings):
-    method: Method = Field(description="ngram: prompt lookup in the sequence's own tokens; draft_model: a smaller "
-                                       "artifact with the same tokenizer proposes")
-    num_speculative_tokens: int = Field(ge=1, description="K: tokens proposed per step, verified in one step with "
-                                                          "the last real token (K+1 logits rows per sequence)")
-    prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest suffix that may match "
-                                                                  "(vLLM's defaults: both 5 when neither is given)")
-    prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix tried first")
-    model: str | None = Field(None, description="draft_model: the draft's exported artifact directory")
+    method: Method = Field(description="`ngram`: prompt lookup, the tokens that followed the latest earlier occurrence "
+                                       "of the longest suffix of the sequence's own tokens (prompt and output); "
+                                       "`draft_model`: a smaller artifact with the same tokenizer proposes")
+    num_speculative_tokens: int = Field(ge=1, description="K: tokens proposed per step, verified in one step with the "
+                                                          "last real token (K+1 logits rows per sequence); at most "
+                                                          "the prefill gears' rows minus one (`pagedgraph inspect` "
+                                                          "shows it)")
+    prompt_lookup_min: int | None = Field(None, ge=1, json_schema_extra=shown("5 (vLLM's)"),
+                                          description="`ngram`: the shortest suffix that may match; one of the two "
+                                                      "given sets both. `prompt_lookup_min: 1` lets the drafts' "
+                                                      "record (below) decide whether single tokens are worth "
+                                                      "drafting from")
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, json_schema_extra=shown("5 (vLLM's)"),
+        description="`ngram`: the longest suffix, tried first. The match goes on growing past it (up to 64 tokens) "
+                    "while it still matches, to pick the right one of several earlier occurrences; and each draft's "
+                    "length follows how many tokens the sequence's earlier drafts from matches of that length kept "
+                    "(a 1-token match is a guess, a 20-token one a copy in progress): as many as pay for their "
+                    "verification rows, none when a plain decode does better (`runtime/spec/ngram.py`)")
+    model: str | None = Field(None, description="`draft_model`: the draft's artifact directory, e.g. the w4a16 export "
+                                                "drafting for the fp32 one (below: which drafts run on the target's "
+                                                "KV pools)")
     disable_by_batch_size: int | None = Field(
-        None, ge=1, description="no speculation while more sequences than this run, every one speculating below "
-                                "it; default: unset, a speculating step holds at most max(8, K+1) tokens "
-                                "(runtime/spec/speculator.py)")
+        None, ge=1, json_schema_extra=shown("unset"),
+        description="set: every sequence speculates while at most this many run, none above (vLLM's rule); unset: "
+                    "a speculating step holds at most max(8, K+1) tokens (one per running sequence plus the drafts, "
+                    "shared out in arrival order), so at B=1 K drafts, at B=4 one each, from B=8 none: past a small "
+                    "gear the step costs grow with its tokens")
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeConfig":

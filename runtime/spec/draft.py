@@ -1,5 +1,5 @@
-"""`draft_model` proposals: a smaller artifact with the same tokenizer, run by the same machinery as the target
-(its own packer, gears and executor), K tokens per step.
+"""`draft_model` proposals: a smaller artifact with the same tokenizer, run by a model runner of its own (its own
+gears and executor), K tokens per step.
 
 Each target sequence has a shadow sequence that holds its verified tokens and, while proposing, the drafts. Where
 the K/V of those tokens comes from depends on the draft:
@@ -19,47 +19,37 @@ the K/V of those tokens comes from depends on the draft:
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 
-from ..executors import Executor
 from ..kv_cache_manager import KVCacheManager
-from ..kv_pools import KVPools
-from ..packer import Packer
+from ..model_runner import ModelRunner
 from ..sampling_params import SamplingParams
-from ..scheduler import ScheduledBatch
-from ..sequence import Sequence
+from ..scheduler import ScheduledBatch, Sequence, packing_order
 from ...graphs.contract import DECODE, PREFILL
 from .rejection import target_probs
 
 SHADOW_PARAMS = SamplingParams(temperature=0)  # what the shadow carries: nothing the packer or pool reads
 
 
-class DraftModel(Protocol):
-    """The parts of an engine built for the draft artifact that proposals use (LLMEngine has them)."""
-
-    kv: KVCacheManager
-    packer: Packer
-    executor: Executor
-    pools: KVPools
-
-
 class DraftProposer:
-    def __init__(self, draft: DraftModel, k: int, vocab_size: int, cost: float, shared: bool = False) -> None:
-        """`cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both engines' decode steps timed.
-        `shared`: `draft` runs on the target's KV pools and block manager (`SharedKV`)."""
-        self.draft = draft
-        self.kv = draft.kv
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, k: int, vocab_size: int, cost: float,
+                 shared: bool = False) -> None:
+        """`runner`: the draft's model runner; `kv`: the manager of its pools' blocks. `shared`: those are the
+        target's pools and manager. `cost`: a draft token's cost in target decode steps (`Proposer.cost`), from both
+        runners' decode steps timed."""
+        self.runner = runner
+        self.kv = kv
         self.shared = shared
         self.cost = cost
         self.sizes_drafts = False  # the speculator paces it by acceptance and cost
         self.k = k
         self.vocab_size = vocab_size
-        prefill = draft.packer.gears[PREFILL]
+        prefill = runner.gears[PREFILL]
         self.max_tokens = max(g.tokens for g in prefill)
         self.max_seqs = max(g.seqs for g in prefill)
-        self.max_decode_rows = max(g.seqs for g in draft.packer.gears[DECODE])
+        self.max_decode_rows = max(g.seqs for g in runner.gears[DECODE])
         self._shadows: dict[Sequence, Sequence] = {}
         self._q: dict[Sequence, np.ndarray] = {}  # [k, vocab] float32, made once per sampled sequence
         self._scratch = np.empty(vocab_size, np.float64)
@@ -94,26 +84,17 @@ class DraftProposer:
     def _feed(self, group: list[tuple[Sequence, int]]) -> tuple[list[Sequence], np.ndarray]:
         """Run one draft step feeding n tokens of each shadow; the shadows that got room, and their logits rows."""
         kv, batch = self.kv, ScheduledBatch()
-        chunks = [(s, n) for s, n in group if n > 1]
-        singles = sorted(((s, n) for s, n in group if n == 1), key=lambda e: -e[0].num_computed_tokens)
-        for shadow, n in chunks + singles:
+        for shadow, n in packing_order(group):
             copies = kv.allocate_slots(shadow, n)
             if copies is None:  # the pool is short: this sequence gets no proposal this step
                 continue
             if not self.shared:
                 kv.cache_blocks(shadow, shadow.num_computed_tokens + n)
-            batch.seqs.append(shadow)
-            batch.num_tokens.append(n)
-            batch.copies.extend(copies)
-        # Copied at once: a table already points at the copy, and a step that fails from here must not leave it
-        # pointing at a block whose computed rows were never copied (in shared pools, the target's table).
-        self.draft.pools.copy_blocks(batch.copies)
+            batch.add(shadow, n, copies)
         if not batch.seqs:
             return [], np.empty((0, self.vocab_size), np.float32)
         batch.decode_rows = batch.total_tokens <= self.max_decode_rows  # most catch-ups: the kept drafts, a few
-        _, gear = self.draft.packer.select(batch)
-        inputs = self.draft.packer.pack(batch, gear)
-        logits = self.draft.executor.run(gear, inputs)
+        logits = self.runner.run(batch)
         for shadow, n in zip(batch.seqs, batch.num_tokens):
             shadow.num_computed_tokens += n
         return batch.seqs, logits

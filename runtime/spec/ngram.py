@@ -19,7 +19,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from ..sequence import Sequence
+from ..scheduler import Sequence
 
 LOOKUP_LIMIT = 64  # tokens a match may grow to while choosing among occurrences
 # A verification row's work beside a decode step's: ONNX Runtime's float32 GEMM at 8 rows takes 1.48x its time at 1

@@ -30,8 +30,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
-from ..scheduler import ScheduledBatch
-from ..sequence import Sequence
+from ..scheduler import ScheduledBatch, Sequence
 from ..structured_output import StructuredOutputs
 from .config import SpeculativeConfig
 from .proposer import Proposer

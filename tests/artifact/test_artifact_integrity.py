@@ -25,6 +25,7 @@ from pagedgraph.cli import main
 from pagedgraph.runtime.engine import LLM
 from tests.random_checkpoint import write_random_llama
 
+pytestmark = pytest.mark.e2e
 REDO = "re-export it with `pagedgraph export --config "  # + the artifact's own export_config.json and --out
 
 

@@ -15,6 +15,7 @@ from pagedgraph.cli import _parser
 from pagedgraph.runtime.deploy_config import Deployment
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 MANIFEST = REPO / "deploy" / "kubernetes" / "pagedgraph-fleet.yaml"
 
 

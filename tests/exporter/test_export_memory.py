@@ -17,6 +17,7 @@ import pytest
 from scripts.make_checkpoint import Preset, write_checkpoint
 from tests.paths import REPO
 
+pytestmark = pytest.mark.slow
 SHAPE = Preset("llama", dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=32, num_attention_heads=8,
                              num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048,
                              rope_theta=10000.0, rms_norm_eps=1e-5))

@@ -14,6 +14,7 @@ from pagedgraph.exporter.resources import ExportResourceError, Needs, check_reso
 from pagedgraph.graphs.config import ModelConfig
 from tests.random_checkpoint import write_random_llama
 
+pytestmark = pytest.mark.unit
 GiB = 1 << 30
 # LLaMA-2-7B's layout (scripts/make_checkpoint.py's 7b preset, 49k vocabulary)
 LLAMA_7B = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=4096, intermediate_size=11008,

@@ -16,6 +16,7 @@ from pagedgraph.exporter.export import ExportTargetError, export
 from pagedgraph.cli import main
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 TINY_EXPORT = {"max_model_len": 64, "verify_gears": False,
                "buckets": {"decode_batch": [2], "prefill_tokens": [32], "prefill_max_seqs": 2}}
 

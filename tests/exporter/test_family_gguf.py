@@ -63,7 +63,7 @@ def _tokenizer(checkpoint: object) -> object:
 
 def _prefill_logits(artifact: Path) -> list[np.ndarray]:
     engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=256))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     for prompt in PROMPTS:
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished():

@@ -54,7 +54,7 @@ def _export(checkpoint: Path, out: Path, model: dict[str, Any], options: dict[st
 
 def _prefill_logits(artifact: Path, kv_cache_dtype: str) -> list[np.ndarray]:
     engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=128, kv_cache_dtype=kv_cache_dtype))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     for prompt in PROMPTS:
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished():

@@ -12,6 +12,8 @@ from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_
 from pagedgraph.graphs.models import FAMILIES
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def smollm2() -> Checkpoint:

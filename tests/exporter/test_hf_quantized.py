@@ -26,6 +26,7 @@ from tests.exporter.test_quantized import _bits, _written_weight
 from tests.graphs.test_tiny_models_vs_transformers import assert_engine_follows
 from tests.tiny_models import make_tiny_hf_checkpoint
 
+pytestmark = pytest.mark.unit
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

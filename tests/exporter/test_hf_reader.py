@@ -20,6 +20,7 @@ from pagedgraph.exporter.checkpoint.hf_reader import read_hf_dir
 from pagedgraph.graphs.config import RopeScaling
 from tests.tiny_models import BOS_ID, CHAT_TEMPLATE, EOS_ID, EOT_ID, TINY_DIMS, make_tiny_hf_checkpoint
 
+pytestmark = pytest.mark.unit
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,

@@ -21,6 +21,7 @@ from pagedgraph.texts import shipped_text
 from tests.exporter.test_export_resources import LLAMA_7B
 from tests.random_checkpoint import write_random_llama
 
+pytestmark = pytest.mark.unit
 GEARS = [Gear(512, 4, 32)]
 TINYLLAMA = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=2048, intermediate_size=5632,
                         num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,

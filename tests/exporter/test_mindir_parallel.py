@@ -21,6 +21,8 @@ from pagedgraph.runtime.engine import LLM  # noqa: E402
 from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def _export(checkpoint: Path, out: Path, workers: int, buckets: dict | None = None) -> str:
     log = io.StringIO()

@@ -13,6 +13,8 @@ from pagedgraph.cli import main
 from tests.mindspore_support import export_artifact
 from tests.random_checkpoint import write_random_llama
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -30,6 +30,7 @@ from pagedgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.paths import REPO  # noqa: E402
 from tests.random_checkpoint import write_random_llama  # noqa: E402
 
+pytestmark = pytest.mark.unit
 BLOCK = 16
 MAX_LEN = 64
 ATOL = 1e-4
@@ -109,7 +110,7 @@ def test_executor_binds_pools_of_any_size_and_copies_blocks(artifact: Path) -> N
 
 def _engine_run(artifact: Path, executor: str, prompts: list[list[int]]) -> tuple[RecordingExecutor, list[list[int]]]:
     engine = LLMEngine(artifact, EngineConfig(num_blocks=24, executor=executor))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outputs = [o.token_ids for o in _generate(engine, prompts, params)]
     return recorder, outputs

@@ -25,6 +25,8 @@ from pagedgraph.exporter.mindspore.builder import weight_attribute as W  # noqa:
 from pagedgraph.exporter.mindspore.readback import read_graph, read_ops  # noqa: E402
 from pagedgraph.graphs import models  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 MAX_LEN = 64
 CHAIN = ["MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "GroupedMatmulV4", "InnerMoeTokenUnpermute"]
 DENSE_LAYER = 1

@@ -28,6 +28,8 @@ from tests.exporter.tiny_gguf import write_qwen3_moe_gguf
 from tests.graphs.test_tiny_models_vs_transformers import MIXTRAL, QWEN3_MOE, assert_engine_follows
 from tests.tiny_models import make_tiny_hf_checkpoint
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -26,6 +26,7 @@ from pagedgraph.artifact.settings import ConfigError, validate
 from pagedgraph.cpu_kernels.int8_gemm import fit_int8_gemm
 from tests.exporter.tiny_gguf import write_tiny_gguf
 
+pytestmark = pytest.mark.unit
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 GGUF_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 

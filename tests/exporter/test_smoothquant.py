@@ -3,10 +3,13 @@ the input's outlier channel shrinks to the others' scale."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedgraph.exporter.smoothquant import smooth
 from pagedgraph.graphs.config import ModelConfig
 from pagedgraph.graphs.ops.rms_norm import rms_norm
+
+pytestmark = pytest.mark.unit
 
 
 def test_smoothing_keeps_the_layer_and_flattens_the_input_channels() -> None:

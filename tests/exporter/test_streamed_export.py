@@ -26,12 +26,9 @@ from pagedgraph.graphs.weight_forms import WeightForms
 from pagedgraph.graphs.weights import graph_arrays
 from pagedgraph.graphs.quant import form_of
 from pagedgraph.texts import shipped_text
-from tests.conftest import TEST_EXPORT
 from tests.random_checkpoint import write_random_llama
 
-W8A8 = {"model": {"quantization": "w8a8"}, "export": {**TEST_EXPORT["export"], "baseline": None}}
-
-
+pytestmark = pytest.mark.e2e
 def _whole_model_files(artifact: Path, out: Path) -> tuple[bytes, bytes]:
     """GRAPH and WEIGHTS as the whole-model path writes them for `artifact`'s export config."""
     manifest = Manifest.load(artifact, verify=False)
@@ -51,14 +48,6 @@ def _whole_model_files(artifact: Path, out: Path) -> tuple[bytes, bytes]:
     return (out / GRAPH).read_bytes(), (out / WEIGHTS).read_bytes()
 
 
-@pytest.fixture(scope="module")
-def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("streamed") / "w8a8"
-    export(ExportConfig.model_validate(W8A8), out, log=io.StringIO())
-    return out
-
-
-@pytest.mark.e2e  # the real model's artifacts, fetched by name: tests/conftest.py's marking cannot see them
 @pytest.mark.parametrize("artifact", ["smollm2_artifact", "smollm2_w8a8_artifact", "smollm2_gguf_artifact"])
 def test_streamed_artifact_is_byte_identical_to_the_whole_model_one(artifact: str, request: pytest.FixtureRequest,
                                                                     tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from tests.graphs.test_tiny_models_vs_transformers import MIXTRAL, QWEN3_MOE, as
 from tests.mindspore_support import export_artifact, require_mindspore
 from tests.tiny_models import make_tiny_hf_checkpoint
 
+pytestmark = pytest.mark.unit
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 require_mindspore()

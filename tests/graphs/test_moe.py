@@ -20,6 +20,8 @@ from pagedgraph.graphs.weight_forms import WeightForms
 from pagedgraph.graphs.weights import graph_weight
 from tests.mindspore_support import require_mindspore
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch")
 
 HIDDEN, EXPERTS, INTERMEDIATE, TOKENS = 32, 8, 16, 7

@@ -45,6 +45,7 @@ from tests.paths import REPO
 
 require_mindspore()
 
+pytestmark = pytest.mark.unit
 LOWERINGS = {lowering.name: lowering for lowering in lowerings()}
 
 

@@ -22,6 +22,7 @@ from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_hf_checkpoint
 
+pytestmark = pytest.mark.unit
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

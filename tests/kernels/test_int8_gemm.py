@@ -11,6 +11,8 @@ from pagedgraph.graphs import ops
 from pagedgraph.graphs.ops.linear_w8a8 import linear_w8a8
 from pagedgraph.cpu_kernels import int8_gemm
 
+pytestmark = pytest.mark.unit
+
 
 def _saturating_case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activations at the int8 extremes against weights of +-127 in neighbouring rows of K: every pair of products

@@ -12,7 +12,7 @@ from pagedgraph.graphs.ops.kv_cache_variants import paged_attention_typed
 from pagedgraph.cpu_kernels import binding
 from pagedgraph.cpu_kernels.build import KernelBuildError
 
-pytestmark = pytest.mark.usefixtures("kernel_library")  # fails in CI, skips elsewhere without a compiler
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("kernel_library")]  # fails in CI, skips elsewhere without a compiler
 
 
 def test_out_of_pool_indices_are_errors_not_writes() -> None:

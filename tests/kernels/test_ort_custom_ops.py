@@ -30,6 +30,7 @@ from pagedgraph.runtime.executor_ort import register_custom_ops
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
+pytestmark = pytest.mark.unit
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's grouped-query attention
 ATTRS = {"head_num": HEADS, "kv_head_num": KV_HEADS, "head_dim": HEAD_DIM, "qk_scale": HEAD_DIM ** -0.5}
 
@@ -186,7 +187,7 @@ def test_header_is_extracted_from_a_deb() -> None:
 def _run(artifact: Path, custom_ops: str, prompts: list[list[int]]) -> RecordingExecutor:
     """The engine (its own scheduler and packer) serving `prompts` greedily, every step's logits recorded."""
     engine = LLMEngine(artifact, EngineConfig(num_blocks=16, threads=2, custom_ops=custom_ops))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)

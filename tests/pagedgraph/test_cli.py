@@ -13,6 +13,8 @@ from pagedgraph.cli import main
 from pagedgraph.runtime.bench.suite import BenchOptions
 from pagedgraph.runtime.engine import LLM, LLMEngine
 
+pytestmark = pytest.mark.e2e
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pagedgraph.cli", *args], capture_output=True, text=True, timeout=600)
@@ -103,15 +105,15 @@ def test_generate_custom_ops_flag_reaches_the_executor(tiny_artifact: Path, engi
     """With "on" the ops must be active: scripts/test.sh fetches the ONNX Runtime header they are built with."""
     assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
                  "--custom-ops", mode]) == 0
-    assert engines[0].executor.custom_ops is (mode == "on")
+    assert engines[0].runner.executor.custom_ops is (mode == "on")
 
 
 def test_generate_pool_flags_size_the_pool_and_a_too_small_one_stops_before_any_request(
         tiny_artifact: Path, engines: list[LLMEngine], capsys: pytest.CaptureFixture[str]) -> None:
-    per_block = LLMEngine(tiny_artifact).pools.bytes_per_block
+    per_block = LLMEngine(tiny_artifact).runner.pools.bytes_per_block
     assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--max-tokens", "2",
                  "--kv-cache-bytes", f"{12 * per_block / 2**10}KiB", "--max-model-len", "64"]) == 0
-    assert engines[0].pools.num_blocks == 12 and engines[0].max_model_len == 64
+    assert engines[0].runner.pools.num_blocks == 12 and engines[0].max_model_len == 64
     capsys.readouterr()
     # The tiny artifact's max_model_len 128 needs 8 blocks of 16 plus the null block.
     assert main(["generate", "--artifact", str(tiny_artifact), "--prompt", "hello", "--num-blocks", "5"]) == 2

@@ -8,8 +8,11 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 PROCESS_WORDS = re.compile(r"\bengineers?\b|\bsittings?\b|\block[- ]holds?\b|\bcpu[- ]lock\b|\bissues? #?\d+",
                            re.IGNORECASE)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -44,3 +47,10 @@ def test_no_words_about_people_or_process_in_the_tree() -> None:
         found += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
                   if PROCESS_WORDS.search(line)]
     assert not found, "state conditions (date, CPU flags, load average, command) instead:\n" + "\n".join(found)
+
+
+def test_the_performance_page_holds_current_results_only() -> None:
+    """One row per figure, the latest; earlier runs and what was tried and dropped live in docs/bench/history.md."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 300, "move history to docs/bench/history.md"
+    assert "Earlier:" not in text and "(bench/history.md)" in text

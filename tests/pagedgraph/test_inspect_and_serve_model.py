@@ -17,6 +17,8 @@ import pytest
 from pagedgraph.artifact.manifest import MANIFEST, Manifest
 from pagedgraph.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def test_inspect_shows_model_buckets_sizes_config_versions_and_checksums(tiny_artifact: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "setup.cfg").is_file())
 BARE = {'graphs', 'exporter', 'runtime', 'artifact', 'kernels'}
 DOTTED = re.compile(r"^(runtime|graphs|exporter|kernels|artifact)\.\w+(\.\w+)*$")

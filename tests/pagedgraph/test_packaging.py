@@ -16,6 +16,7 @@ import pytest
 
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 
 from tests.paths import REPO
 
+pytestmark = pytest.mark.slow
 ROOT = REPO
 BLOCK = re.compile(r"<!-- runnable -->\n```(bash|python)\n(.*?)```", re.S)
 

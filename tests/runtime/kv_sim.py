@@ -9,7 +9,7 @@ from __future__ import annotations
 from pagedgraph.graphs.contract import NULL_BLOCK
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 
 
 def make_seq(tokens: list[int], name: str = "r", arrival: float = 0.0) -> Sequence:

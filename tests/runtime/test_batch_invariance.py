@@ -8,7 +8,7 @@ it flips a greedy token (docs/performance.md, "Batch invariance", found the sour
 scripts/batch_invariance.py). The prompt is 49 tokens, one past a block boundary, so a full prefix hit leaves one
 token to compute: the scheduler must recompute a block with it (runtime/scheduler.py). With n-gram speculation on,
 a prompt that repeats itself gets its plain run's tokens and logprobs too, alone and beside others, drafts kept and
-drafts rejected (runtime/packer.py verifies drafts as decode rows).
+drafts rejected (runtime/model_runner.py verifies drafts as decode rows).
 """
 from __future__ import annotations
 
@@ -22,48 +22,29 @@ from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.texts import shipped_text
 from tests.conftest import TEST_EXPORT, short_calibration
 
-# Every case runs the real model, its artifact fetched by name (getfixturevalue), which tests/conftest.py's e2e
-# marking cannot see.
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
-# Precision -> (the fixture of its artifact, the KV-cache dtypes checked). Exported here: fp32 with every cache
-# dtype, w8a16 and the GGUF's blocks at the export's default accuracy_level (int8 activations; tests/conftest.py's
-# gguf artifact computes in float32), a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8
-# with an int8 cache, and a tiny random Qwen3-MoE in float32 and w4a16; the others are tests/conftest.py's.
-CASES = [("fp32", "fp32_artifact", "float32"), ("fp32", "fp32_artifact", "bfloat16"),
-         ("fp32", "fp32_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
+# Precision -> (the fixture of its artifact, the KV-cache dtype checked): the real model's are tests/conftest.py's
+# session exports; exported here: a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8 with an
+# int8 cache, and a tiny random Qwen3-MoE in float32 and w4a16.
+CASES = [("fp32", "smollm2_kv_dtypes_artifact", "float32"), ("fp32", "smollm2_kv_dtypes_artifact", "bfloat16"),
+         ("fp32", "smollm2_kv_dtypes_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
-         ("w8a16", "w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
-         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "gguf_int8_artifact", "float32"),
+         ("w8a16", "smollm2_w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
+         ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "smollm2_gguf_int8_artifact", "float32"),
          ("qwen3-w8a8", "qwen3_w8a8_artifact", "int8"), ("moe-fp32", "moe_fp32_artifact", "float32"),
          ("moe-w4a16", "moe_w4a16_artifact", "float32")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-LADDERS = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
 
 
 def _export(root: Path, model: dict, export: dict) -> Path:
+    """A tiny model exported with the session artifacts' ladders (no baseline graph)."""
     from pagedgraph.exporter.config import ExportConfig
     from pagedgraph.exporter.export import export as run_export
 
-    run_export(ExportConfig.model_validate({"model": model, "export": {**LADDERS, **export}}), root / "artifact",
-               log=io.StringIO())
+    options = {**TEST_EXPORT["export"], "baseline": None, **export}
+    run_export(ExportConfig.model_validate({"model": model, "export": options}), root / "artifact", log=io.StringIO())
     return root / "artifact"
-
-
-@pytest.fixture(scope="module")
-def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fp32-kv")
-    return _export(root, {}, {"kv_cache_dtypes": ["float32", "bfloat16", "int8"], **short_calibration(root)})
-
-
-@pytest.fixture(scope="module")
-def w8a16_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("w8a16"), {"quantization": "w8a16"}, {})
-
-
-@pytest.fixture(scope="module")
-def gguf_int8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("gguf-int8"), {"quantization": "gguf"}, {})
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +66,7 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     pytest.importorskip("torch")
     dims = QWEN3_MOE | {"num_experts": 16, "num_experts_per_tok": 4, "mlp_only_layers": [1],
-                        "max_position_embeddings": LADDERS["max_model_len"]}
+                        "max_position_embeddings": TEST_EXPORT["export"]["max_model_len"]}
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe-hf") / "hf", arch="qwen3_moe", tie=False, dims=dims)
 
 

@@ -18,6 +18,7 @@ from pagedgraph.runtime.bench.runner import run_engine
 from pagedgraph.runtime.bench.suite import BenchOptions, run_bench
 from pagedgraph.runtime.engine import LLMEngine
 
+pytestmark = pytest.mark.e2e
 REQUIRED = {"throughput_tok_s", "naive_throughput_tok_s", "speedup_vs_naive", "kv_utilization", "padding_waste",
             "host_overhead_share", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes",
             "output_tok_s", "total_tok_s", "bucket_hits", "decode_step_s", "decode_tok_s"}

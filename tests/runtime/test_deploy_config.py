@@ -14,6 +14,7 @@ from pagedgraph.runtime.deploy_config import Deployment, engine_config, load_dep
 from pagedgraph.runtime.engine import EngineConfig
 from tests.paths import REPO
 
+pytestmark = pytest.mark.unit
 MODEL = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                     max_position_embeddings=512, tie_word_embeddings=True)

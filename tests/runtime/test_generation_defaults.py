@@ -21,6 +21,7 @@ from pagedgraph.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParam
 from pagedgraph.runtime.server.launch import build_app
 from tests.paths import REPO
 
+pytestmark = pytest.mark.e2e
 MAX_MODEL_LEN = 128
 GENERATION = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "do_sample": True}
 

@@ -18,6 +18,8 @@ from pagedgraph.exporter.onnx.graph_builder import op_model
 from pagedgraph.graphs import ops
 from pagedgraph.graphs.kv_cache import KV_CACHE_DTYPES, cache_format, dequantize, int8_params, quantize
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def library(custom_op_library: Path) -> str:
@@ -188,7 +190,7 @@ def test_prefix_hits_forks_and_preemption_give_the_cold_tokens(kv_artifact, dtyp
 
     prompts = _prompts(Manifest.load(artifact).model.vocab_size)
     cold, engine = _generate(artifact, dtype, prompts, enable_prefix_caching=False, num_blocks=64)
-    assert engine.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
+    assert engine.runner.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
     want = [o.token_ids for o in cold]
 
     from pagedgraph.runtime.engine import LLM
@@ -217,12 +219,12 @@ def test_pool_sizing_follows_the_cache_dtype(kv_artifact) -> None:
     budget = 1 << 22
     engines = {d: LLMEngine(artifact, EngineConfig(threads=1, kv_cache_bytes=budget, kv_cache_dtype=d))
                for d in ("auto", *KV_CACHE_DTYPES)}
-    blocks = {d: e.pools.num_blocks for d, e in engines.items()}
+    blocks = {d: e.runner.pools.num_blocks for d, e in engines.items()}
     assert engines["auto"].kv_cache_dtype == "float32" and blocks["auto"] == blocks["float32"]
     assert blocks["int8"] == 4 * blocks["float32"]
     assert blocks["bfloat16"] == blocks["float16"] == 2 * blocks["float32"]
     for d, e in engines.items():
-        assert e.pools.nbytes == e.pools.num_blocks * e.pools.bytes_per_block <= budget
+        assert e.runner.pools.nbytes == e.runner.pools.num_blocks * e.runner.pools.bytes_per_block <= budget
         assert e.runtime_info().kv_cache_dtype == e.kv_cache_dtype
     roots = {e.kv_cache_dtype: e.kv._root for e in engines.values()}
     assert len(set(roots.values())) == len(KV_CACHE_DTYPES)  # blocks of two dtypes never share a hash
@@ -269,4 +271,4 @@ def test_bfloat16_compute_exports_and_serves_an_int8_cache(tmp_path: Path, onedn
         llm = LLM(tmp_path / "artifact", threads=2, kv_cache_dtype=dtype, num_blocks=32)
         out = llm.generate([[5, 17, 42, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
         assert out.error is None and len(out.token_ids) == 8, dtype
-        assert llm.engine.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype
+        assert llm.engine.runner.pools["k_cache_0"].dtype == cache_format(dtype).numpy_dtype

@@ -9,6 +9,7 @@ from pagedgraph.graphs.config import ModelConfig
 from pagedgraph.artifact.manifest import ArtifactError, Manifest
 from pagedgraph.runtime.kv_pools import KV_MEMORY_SHARE, KVPools, PoolRequest, PoolSizeError, bytes_per_block, pool_blocks
 
+pytestmark = pytest.mark.unit
 MODEL = ModelConfig("llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
                     tie_word_embeddings=True)

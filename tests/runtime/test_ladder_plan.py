@@ -27,6 +27,8 @@ from pagedgraph.runtime.step_replay import ServeLimits
 from pagedgraph.runtime.traffic import TraceError, TraceRequest, read_trace
 from tests.runtime.server.serving import serve
 
+pytestmark = pytest.mark.unit  # tiny models exported by the test
+
 # Small limits and a small KV pool, so the replay chunks prompts and preempts: every path of the scheduler counts.
 SCHEDULER = {"max_num_seqs": 6, "max_num_batched_tokens": 96, "long_prefill_token_threshold": 32}
 KV_BLOCKS = 24

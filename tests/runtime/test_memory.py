@@ -5,8 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.paths import REPO
 
+pytestmark = pytest.mark.e2e
 PROBE = """
 import os, sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
@@ -39,7 +42,7 @@ import sys
 from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 engine = LLMEngine(sys.argv[1], EngineConfig(num_blocks=128))
-for pool in engine.executor.pools.values():
+for pool in engine.runner.executor.pools.values():
     pool.fill(0)
 params = SamplingParams(max_tokens=1, temperature=0)
 engine.add_request(list(range(100, 110)), params)

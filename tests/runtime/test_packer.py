@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedgraph.artifact.manifest import Family, Manifest
 from pagedgraph.graphs import contract as c
 from pagedgraph.graphs.config import ModelConfig
 from pagedgraph.graphs.contract import DECODE, PREFILL, Gear
-from pagedgraph.runtime.packer import Packer
+from pagedgraph.runtime.model_runner import Packer
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.runtime.scheduler import ScheduledBatch
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 
+pytestmark = pytest.mark.unit
 MODEL = ModelConfig("llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
                     tie_word_embeddings=True)

@@ -14,8 +14,10 @@ from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.perplexity import Window, evaluate_text, plan_windows
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.mindspore_support import RecordingExecutor
+from tests.paths import DATA
 from tests.runtime.test_kv_cache_dtypes import kv_artifact  # noqa: F401 (the fixture)
 
+pytestmark = pytest.mark.e2e
 SHORT = ("The tide came in twice a day, and twice a day the keeper wrote it down: the hour, the height, "
          "and whether the gulls had gone quiet before it turned.")
 
@@ -43,7 +45,7 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
     (run,) = json.loads(out.read_text())["runs"]
 
     engine = LLMEngine(smollm2_artifact, EngineConfig(enable_prefix_caching=False))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     ids = engine.tokenizer.encode(SHORT)
     nll, scored = 0.0, 0
     prev_end = 0
@@ -67,21 +69,16 @@ def test_eval_equals_numpy_on_the_logits_of_each_prefix(smollm2_artifact: Path, 
 
 
 def test_eval_matches_transformers_fp32(smollm2_artifact: Path) -> None:
-    """Perplexity of the held-out text's first ~320 tokens equals HF transformers' fp32 on the GGUF's weights."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from scripts.hf_perplexity import hf_perplexity, load
-
-    text = shipped_text("heldout")[:1500]
-    ours = evaluate_text(smollm2_artifact, text, context=128, stride=64)
-    model, tokenizer = load()
-    ids = tokenizer(text)["input_ids"]
-    assert len(ids) == ours.num_tokens
-    theirs, scored = hf_perplexity(model, ids, context=128, stride=64)
-    assert ours.num_scored == scored
+    """Perplexity of the held-out text's first ~320 tokens equals HF transformers' fp32 on the GGUF's weights, as
+    scripts/make_reference.py recorded it (tests/data/reference_perplexity.json: transformers is the oracle, run
+    once, as for the greedy tokens of tests/runtime/test_reference_e2e.py)."""
+    (reference,) = json.loads((DATA / "reference_perplexity.json").read_text())
+    text = shipped_text(reference["text"])[:reference["characters"]]
+    ours = evaluate_text(smollm2_artifact, text, context=reference["context"], stride=reference["stride"])
+    assert (ours.num_tokens, ours.num_scored) == (reference["num_tokens"], reference["num_scored"])
     # Both fp32, different summation orders: measured 4e-7 relative (50.95065 vs 50.95066). One token scored
     # from a wrong row would move this perplexity by about 1e-2.
-    assert ours.perplexity == pytest.approx(theirs, rel=2e-5)
+    assert ours.perplexity == pytest.approx(reference["perplexity"], rel=2e-5)
 
 
 def test_shipped_texts_are_separate_and_sized() -> None:

@@ -16,6 +16,7 @@ from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.runtime.workloads import shared_prefix_workload
 
+pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
@@ -139,7 +140,7 @@ def test_forks_copy_the_shared_partial_block_before_writing(cached_llm: LLM, req
         assert engine.has_unfinished()
         engine.step()
         forks = list(engine.scheduler.running)
-    k0 = engine.executor.pools["k_cache_0"]
+    k0 = engine.runner.executor.pools["k_cache_0"]
     prompt_len = forks[0].num_prompt_tokens
 
     def row(seq: Any, pos: int) -> Any:

@@ -16,6 +16,7 @@ from pagedgraph.runtime.engine import LLMEngine, EngineConfig
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from tests.mindspore_support import RecordingExecutor
 
+pytestmark = pytest.mark.unit
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 200, 37)]
 
 
@@ -27,7 +28,7 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
 def _reference(artifact: Path, prompt: list[int]) -> list[np.ndarray]:
     """log-softmax of the logits after each prefix prompt[:j], j = 1 .. len - 1, one request at a time."""
     engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False))
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     rows = []
     for j in range(1, len(prompt)):
         engine.add_request(prompt[:j], SamplingParams(max_tokens=1, temperature=0))
@@ -58,7 +59,7 @@ def _check(entries: list, reference: list[np.ndarray], k: int) -> None:
 
 def test_prompt_logprobs_equal_the_prefix_runs(tiny_artifact: Path, reference: list[np.ndarray]) -> None:
     engine = LLMEngine(tiny_artifact)
-    recorder = engine.executor = RecordingExecutor(engine.executor)
+    recorder = engine.runner.executor = RecordingExecutor(engine.runner.executor)
     others = [engine.add_request([5 + i] * (3 + 20 * i), SamplingParams(max_tokens=12,
                                                                                            temperature=0))
               for i in range(2)]

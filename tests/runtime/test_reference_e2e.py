@@ -19,6 +19,7 @@ from pagedgraph.runtime.engine import EngineConfig, LLMEngine
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.paths import DATA
 
+pytestmark = pytest.mark.e2e
 NEAR_TIE = 1e-3
 # Divergences of the bfloat16 artifact from HF fp32 measured at HF top-2 gaps of 0.005-0.044 (docs/performance.md,
 # Precision, bfloat16); 0.1 is about twice the largest, far below the typical gap between greedy choices.

@@ -34,6 +34,7 @@ from pagedgraph.runtime.server import app as server_app
 from tests.runtime.kv_sim import check_invariants
 from tests.runtime.test_deploy_config import _manifest
 
+pytestmark = pytest.mark.e2e
 PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time", "2 + 2 ="]
 # Long enough for 24 tokens on a loaded 2-core machine; far too short for the 1,200-token request on any CPU.
 DRAIN_S = 10
@@ -68,7 +69,7 @@ class FailingExecutor:
 def engine(smollm2_artifact: Path) -> LLMEngine:
     """Two sequences a step, so two of four requests wait while the others run."""
     engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, max_num_seqs=2, max_model_len=256, threads=2))
-    engine.executor = FailingExecutor(engine.executor)
+    engine.runner.executor = FailingExecutor(engine.runner.executor)
     return engine
 
 
@@ -91,7 +92,7 @@ def solo(engine: LLMEngine) -> dict[str, str]:
 @pytest.mark.parametrize("fail_at", [0, 3])  # the first prefill; a later decode step
 def test_a_failed_graph_run_fails_only_its_step_and_frees_its_blocks(engine: LLMEngine, solo: dict[str, str],
                                                                      fail_at: int) -> None:
-    executor = engine.executor
+    executor = engine.runner.executor
     assert isinstance(executor, FailingExecutor)
     free_before = engine.kv.usage().free  # cached-but-evictable blocks count as free
     scheduled: list[set[str]] = []

@@ -16,8 +16,9 @@ import pytest
 from pagedgraph.runtime.logits_processors import Penalties
 from pagedgraph.runtime.sampler import Sampler, sample_row
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 
+pytestmark = pytest.mark.e2e
 VOCAB = 1000
 EOS = 7
 
@@ -162,16 +163,16 @@ def engine(smollm2_artifact):  # type: ignore[no-untyped-def]
     from tests.mindspore_support import RecordingExecutor
 
     engine = LLMEngine(smollm2_artifact, EngineConfig(num_blocks=64, max_model_len=1008, threads=2))
-    engine.executor = RecordingExecutor(engine.executor)
+    engine.runner.executor = RecordingExecutor(engine.runner.executor)
     return engine
 
 
 def _run(engine, prompt: str, params: SamplingParams):  # type: ignore[no-untyped-def]
-    engine.executor.steps.clear()
+    engine.runner.executor.steps.clear()
     seq = engine.add_request(engine.prompts.encode(prompt), params)
     while engine.has_unfinished():
         engine.step()
-    return seq, [logits[0] for _, logits in engine.executor.steps]
+    return seq, [logits[0] for _, logits in engine.runner.executor.steps]
 
 
 @pytest.mark.parametrize("params", [

@@ -12,9 +12,10 @@ import pytest
 
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.scheduler import ScheduledBatch, Scheduler
-from pagedgraph.runtime.sequence import Sequence, SequenceStatus
+from pagedgraph.runtime.scheduler import Sequence, SequenceStatus
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
+pytestmark = pytest.mark.unit
 BS = 4
 
 

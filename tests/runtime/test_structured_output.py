@@ -19,9 +19,10 @@ from pagedgraph.runtime.constraints import Constraint
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import RequestError, SamplingParams
 from pagedgraph.runtime.structured_output import GrammarCompiler, StructuredOutputs
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.e2e
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
     "age": {"type": "integer", "minimum": 0, "maximum": 130},

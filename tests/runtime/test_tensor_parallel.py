@@ -32,6 +32,7 @@ from tests.paths import DATA
 from tests.random_checkpoint import write_random_llama
 from tests.tiny_models import TINY_DIMS
 
+pytestmark = pytest.mark.e2e
 DIMS = {**TINY_DIMS, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}  # head_dim 16
 SIZES = (1, 2, 4)
 MAX_TOKENS = 8
@@ -66,7 +67,7 @@ class _Recorder:
 
 def _serve(artifact: Path) -> tuple[list[list[int]], list[np.ndarray], LLM]:
     llm = LLM(artifact, threads=1)
-    recorder = llm.engine.executor = _Recorder(llm.engine.executor)
+    recorder = llm.engine.runner.executor = _Recorder(llm.engine.runner.executor)
     prompts = [json.loads(line)["prompt"] for line in (DATA / "reference_prompts.jsonl").read_text().splitlines()[:6]]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outputs], recorder.logits, llm
@@ -90,8 +91,8 @@ def test_greedy_output_and_logits_equal_tp1(served: dict, size: int) -> None:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_pool_holds_its_kv_heads(served: dict, artifacts: dict[int, Path], size: int) -> None:
-    whole = served[1][2].engine.pools
-    pools = served[size][2].engine.pools
+    whole = served[1][2].engine.runner.pools
+    pools = served[size][2].engine.runner.pools
     rank_layout = Manifest.load(artifacts[size], verify=False).ranks
     head_dim = DIMS["hidden_size"] // DIMS["num_attention_heads"]
     assert pools.nbytes == whole.nbytes and pools.num_blocks == whole.num_blocks
@@ -186,7 +187,6 @@ def test_ascend_rank_mindir_holds_its_heads_and_hccl_allreduce(tmp_path: Path) -
         assert pools[0].shape[2:] == (2, DIMS["hidden_size"] // DIMS["num_attention_heads"])
 
 
-@pytest.mark.e2e
 def test_smollm2_over_3_ranks_equals_tp1_and_follows_hf(smollm2_artifact: Path, tmp_path: Path) -> None:
     """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its one split) with the session artifact's settings, so both run
     the same gears: greedy tokens equal TP=1's and HF's (up to HF's own near ties), logits within 1e-4 of TP=1's."""
@@ -199,7 +199,7 @@ def test_smollm2_over_3_ranks_equals_tp1_and_follows_hf(smollm2_artifact: Path, 
     runs = {}
     for size, artifact in ((1, smollm2_artifact), (3, tmp_path / "tp3")):
         llm = LLM(artifact, threads=2)
-        recorder = llm.engine.executor = _Recorder(llm.engine.executor)
+        recorder = llm.engine.runner.executor = _Recorder(llm.engine.runner.executor)
         outputs = llm.generate([r["prompt_token_ids"] for r in reference],
                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
         runs[size] = [o.outputs[0].token_ids for o in outputs], recorder.logits

@@ -23,6 +23,7 @@ from pagedgraph.exporter.tokenizer_files import write_tokenizer
 from pagedgraph.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.paths import DATA, REPO
 
+pytestmark = pytest.mark.unit
 TOKENIZER_CASES: list[dict[str, Any]] = json.loads((DATA / "tokenizer_reference.json").read_text(encoding="utf-8"))
 PROMPTS: list[dict[str, Any]] = [json.loads(line) for line in (DATA / "reference_prompts.jsonl").read_text(encoding="utf-8").splitlines()]
 REFERENCE: list[dict[str, Any]] = json.loads((DATA / "reference_smollm2.json").read_text(encoding="utf-8"))

@@ -17,6 +17,7 @@ import pytest
 
 from scripts.loadtest import ServerProcess, healthy_workers, kill_under_load, replica_metrics
 
+pytestmark = pytest.mark.e2e
 MODEL = "smol"
 
 

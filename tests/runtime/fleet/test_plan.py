@@ -14,6 +14,8 @@ from pagedgraph.runtime.fleet.supervisor import kv_share, replica_deployment
 from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.runtime.kv_pools import bytes_per_block, weights_bytes
 
+pytestmark = pytest.mark.unit
+
 
 def _deployment(**fleet: object) -> Deployment:
     return Deployment.model_validate({"model": {"artifact": "/a"}, "server": {"port": 9000, "api_key": "secret"},

@@ -11,6 +11,7 @@ from pagedgraph.runtime.bench.http import UrlOptions, alternating_ttft, run_url_
 from pagedgraph.runtime.workloads import shared_prefix_workload
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
+pytestmark = pytest.mark.e2e
 # What vllm-router 0.1.17 writes into every chat body it forwards (SGLang's extras, at their neutral values).
 ROUTER_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
                  "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,

@@ -53,7 +53,7 @@ def serve(artifact: Path, **sections: dict[str, Any]) -> Iterator[ServerThread]:
 
 def fail_the_next_step(server: ServerThread) -> None:
     """The engine's next step raises RuntimeError("injected"), once: the step after it runs as ever."""
-    packer = server.app.state.frontend.loop.engine.packer
+    packer = server.app.state.frontend.loop.engine.runner.packer
 
     def broken(batch: Any) -> Any:
         del packer.select  # the class's method again

@@ -21,11 +21,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.scheduler import Scheduler
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 from tests.runtime.server.test_server import _wait_for
 
+pytestmark = pytest.mark.e2e
 MAX_MODEL_LEN = 256
 MAX_BODY = 1 << 20
 VOCAB = 49152

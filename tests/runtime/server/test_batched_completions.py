@@ -17,6 +17,7 @@ import pytest
 from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
 from tests.runtime.server.test_server import _metrics, _wait_for
 
+pytestmark = pytest.mark.e2e
 MAX_PROMPTS = 6
 PROMPTS = ["The capital of France is", "One, two, three,", "My favourite colour is", "Water boils at"]
 VOCAB = 49152

@@ -14,6 +14,7 @@ from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.runtime.deploy_config import load_deployment
 from tests.paths import REPO
 
+pytestmark = pytest.mark.e2e
 SHIPPED = REPO / "configs" / "deploy-smollm2.yaml"
 
 
@@ -25,7 +26,6 @@ def _shipped_precision() -> tuple[str, str]:
     return export.model.quantization, deployment.kv_cache.dtype
 
 
-@pytest.mark.e2e  # the real model's artifacts, fetched by name: tests/conftest.py's marking cannot see them
 @pytest.mark.parametrize("precision", ["fp32", "shipped"])
 def test_the_load_script_finds_no_errors_mismatches_or_leaks(precision: str, tmp_path: Path,
                                                              request: pytest.FixtureRequest) -> None:

@@ -7,6 +7,8 @@ from pagedgraph.runtime.engine import LLM
 from tests.runtime.server.test_server_sampling import KEY, MODEL, _params, _post, llm, server  # noqa: F401 (fixtures)
 from tests.runtime.server.test_server import ServerThread
 
+pytestmark = pytest.mark.e2e
+
 
 def test_completions_report_prompt_logprobs_in_vllms_shape(server: ServerThread, llm: LLM) -> None:  # noqa: F811
     prompt = "Bees fly about three kilometres to find flowers"

@@ -22,6 +22,7 @@ from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
 
+pytestmark = pytest.mark.e2e
 KEY = "test-key"
 MAX_CONCURRENT = 32
 PROMPTS = [f"Write one short sentence about the number {i}." for i in range(MAX_CONCURRENT)]

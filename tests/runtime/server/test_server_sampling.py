@@ -17,6 +17,7 @@ from pagedgraph.runtime.engine import LLM
 from pagedgraph.runtime.sampling_params import SamplingParams
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
+pytestmark = pytest.mark.e2e
 KEY = "sampling-key"
 PROMPT = "one two three one two three one two three one two"
 PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"1167": 8}}
@@ -143,7 +144,7 @@ def test_tokenize_and_detokenize_in_vllms_shape(server: ServerThread, client: op
 def test_models_and_version_say_what_runs(server: ServerThread, client: openai.OpenAI, llm: LLM) -> None:
     info = llm.runtime_info
     assert info.executor == "onnxruntime" and info.dtype == "float32" and info.kv_cache_dtype == "float32"
-    assert info.custom_ops == llm.engine.executor.custom_ops and info.quantization is None
+    assert info.custom_ops == llm.engine.runner.executor.custom_ops and info.quantization is None
     assert info.weight_formats == llm.engine.manifest.weight_formats
     card = client.models.list().data[0]
     assert card.model_extra is not None and card.model_extra["runtime"] == info.to_dict()

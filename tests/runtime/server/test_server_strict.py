@@ -21,6 +21,7 @@ from pagedgraph.runtime.request_limits import (MAX_LOGIT_BIAS, MAX_SCHEMA_CHARS,
                                                MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
+pytestmark = pytest.mark.e2e
 TEXT = {"type": "string", "maxLength": 24}
 # Objects that leave additionalProperties out, as clients write them; prompts that invite more keys.
 PERSON = {"type": "object", "properties": {

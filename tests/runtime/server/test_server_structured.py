@@ -18,6 +18,7 @@ import pytest
 
 from tests.runtime.server.serving import MODEL, ServerThread, serve
 
+pytestmark = pytest.mark.e2e
 KEY = "test-key"
 MAX_TOKENS = 120
 ENUMS = [["red", "green", "blue"], ["low", "medium", "high"], ["cat", "dog"], ["yes", "no", "maybe"],

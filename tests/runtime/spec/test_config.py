@@ -18,6 +18,8 @@ from pagedgraph.runtime.engine import EngineConfig
 from pagedgraph.runtime.spec.config import SpeculativeConfig
 from tests.runtime.test_deploy_config import MODEL, _manifest
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(("given", "expected"), [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method = 'eagle'"),

@@ -1,9 +1,13 @@
 """/metrics carries vLLM's spec_decode counters when speculation is on, and nothing of them when it is off."""
 from __future__ import annotations
 
-from pagedgraph.runtime.server.engine_loop import EngineSnapshot
+import pytest
+
+from pagedgraph.runtime.engine import EngineSnapshot
 from pagedgraph.runtime.server.metrics import Metrics, Scrape, ServerCounters
 from pagedgraph.runtime.spec.speculator import SpecDecodeStats
+
+pytestmark = pytest.mark.unit
 
 
 def _render(spec: dict | None) -> str:

@@ -3,10 +3,13 @@ earlier occurrence, and the tokens that followed it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.spec.ngram import NgramProposer, lookup
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_match() -> None:

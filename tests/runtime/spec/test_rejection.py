@@ -8,6 +8,7 @@ import pytest
 from pagedgraph.runtime.sampling_params import SamplingParams
 from pagedgraph.runtime.spec.rejection import accept_greedy, accept_sampled, target_probs
 
+pytestmark = pytest.mark.unit
 DRAWS = 4000
 # The chi-square statistic a true distribution exceeds with probability 1e-3, by degrees of freedom.
 CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}

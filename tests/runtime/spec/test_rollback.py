@@ -2,10 +2,13 @@
 lengths and refcounts, same prefix-cache hashes, same free count (no model: the manager alone)."""
 from __future__ import annotations
 
+import pytest
+
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 
+pytestmark = pytest.mark.unit
 BS = 16
 
 

@@ -3,12 +3,14 @@ sequence (following what verification kept)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedgraph.runtime.sampling_params import SamplingParams
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from pagedgraph.runtime.spec.config import SpeculativeConfig
 from pagedgraph.runtime.spec.speculator import FIRST_PAUSE, LAST_PROBE, Speculator
 
+pytestmark = pytest.mark.unit
 VOCAB = 16
 
 

@@ -1,8 +1,16 @@
-"""Packs a scheduled batch into one gear's input buffers (created once per gear, reused every step)."""
+"""The model runner: a scheduled batch -> the smallest gear that holds it -> that gear's inputs, filled in place ->
+its graph on the KV pools -> logits (vLLM v1's GPUModelRunner, nano-vllm's model_runner).
+
+A `ModelRunner` owns the packer (gear choice, input buffers made once per gear and reused every step), the executor
+and the pools' block copies. The engine runs its steps through one; a draft model is another, on the target's pools
+or on its own (runtime/spec/draft.py).
+"""
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -10,8 +18,9 @@ import numpy as np
 from ..artifact.manifest import Manifest
 from ..graphs import contract as c
 from ..graphs.contract import DECODE, PREFILL, Gear
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from .executors import CustomOps, make_executor
+from .kv_pools import KVPools
+from .scheduler import ScheduledBatch, Sequence
 
 
 class NoGearError(RuntimeError):
@@ -194,3 +203,95 @@ class Packer:
                 np.add(self._arange[:n - 1], row, out=out[at:at + n - 1])
                 at += n - 1
             row += n
+
+
+def step_limits(manifest: Manifest, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
+    """`GearSelector.fit_limits` on the artifact's gears: for the engine and a draft, before their runners exist
+    (their pools are sized by the clamped sequences)."""
+    return GearSelector({name: f.gears for name, f in manifest.families.items()}).fit_limits(
+        max_num_seqs, max_num_batched_tokens)
+
+
+class GraphError(RuntimeError):
+    """A step's graph (or the block copies before it) failed: the step's sequences fail, every other request goes
+    on."""
+
+
+@dataclass
+class RunStats:
+    """What a runner's graphs ran, cumulative (for metrics and benchmarks)."""
+
+    steps: int = 0
+    graph_s: float = 0.0  # the block copies and the graph
+    tokens_computed: int = 0  # rows the graphs ran, padding included
+    tokens_real: int = 0
+    bucket_hits: dict[str, int] = field(default_factory=dict)
+
+    def record(self, family: str, gear: Gear, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.graph_s += seconds
+        self.tokens_computed += gear.tokens
+        self.tokens_real += tokens
+        key = gear.label(family)
+        self.bucket_hits[key] = self.bucket_hits.get(key, 0) + 1
+
+
+class ModelRunner:
+    """Runs scheduled batches on one artifact's graphs over `pools` (its own, or a target's for a draft)."""
+
+    def __init__(self, artifact: Path, manifest: Manifest, pools: KVPools, executor: str = "onnxruntime",
+                 threads: int | None = None, custom_ops: CustomOps = "auto", batch_invariant: bool = False,
+                 stats: RunStats | None = None) -> None:
+        self.pools = pools
+        self.packer = Packer(manifest, batch_invariant)
+        self.executor_name = executor
+        self.executor = make_executor(executor, artifact, manifest, pools, threads, custom_ops)
+        self.stats = stats if stats is not None else RunStats()
+
+    @property
+    def gears(self) -> dict[str, list[Gear]]:
+        """Each family's gears, ascending."""
+        return self.packer.gears
+
+    def run(self, batch: ScheduledBatch) -> np.ndarray:
+        """The batch's logits rows (`batch.num_logits_rows` of them first), valid until the next run.
+
+        The block copies run first: the batch's block tables already point at them. Choosing and packing only read
+        the batch, so a failure there is a bug that fails the whole step; a failure from the copies on is a
+        GraphError, which fails only this batch's sequences."""
+        family, gear = self.packer.select(batch)
+        inputs = self.packer.pack(batch, gear)
+        start = time.perf_counter()
+        try:
+            if batch.copies:
+                self.pools.copy_blocks(batch.copies)
+            return self.executor.run(gear, inputs)
+        except Exception as exc:
+            raise GraphError(str(exc)) from exc
+        finally:
+            self.stats.record(family, gear, batch.total_tokens, time.perf_counter() - start)
+
+    def batch_variance(self) -> str | None:
+        """Why this runner's greedy rows may depend on the batch; None: they do not (with a batch-invariant
+        scheduler: docs/performance.md, "Batch invariance")."""
+        if self.executor_name != "onnxruntime":
+            return f"not checked on the {self.executor_name} executor"
+        if self.executor.custom_ops is False:
+            return ("the fused ops run as their ONNX function bodies (custom ops off or unbuilt), whose attention "
+                    "reductions follow the batch")
+        odd = self.packer.odd_widest_gears()
+        if odd:
+            return f"the widest gears {odd} have an odd T or B: MatMulNBits computes a lone last row another way"
+        return None
+
+    def decode_step_s(self, runs: int) -> float:
+        """Seconds of one step in the smallest decode gear, all padding (its slots are the null block's), the fastest
+        of `runs` (the first also warms it up): what a draft token costs against a target decode, on this machine."""
+        gear = self.gears[DECODE][0]
+        inputs = self.packer.pack(ScheduledBatch(), gear)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            self.executor.run(gear, inputs)
+            times.append(time.perf_counter() - start)
+        return min(times)

@@ -11,11 +11,12 @@ import random
 import pytest
 
 from pagedgraph.graphs.contract import NULL_BLOCK
-from pagedgraph.runtime.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from pagedgraph.runtime.kv_cache_manager import BlockPool, FreeBlockQueue, KVBlock
 from pagedgraph.runtime.kv_cache_manager import KVCacheManager, block_hash, extend_hashes, root_hash
-from pagedgraph.runtime.sequence import Sequence
+from pagedgraph.runtime.scheduler import Sequence
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
 
+pytestmark = pytest.mark.unit
 BS = 4
 
 def ids(blocks: list[KVBlock]) -> list[int]:
