@@ -2,7 +2,7 @@
 ONNX Runtime's fused `com.microsoft.MoE`, on one layer of random float32 weights, per expert count and step size.
 
 Prints one JSON line per (experts, tokens) with the median milliseconds of each, their ratio, the largest difference
-between their outputs, and the machine (CPU model and flags, load average): the figures of docs/performance.md,
+between their outputs, and the machine (CPU model and flags, load average): the figures of docs/bench/history.md,
 "Mixture of experts". Both graphs take the weights as inputs (one copy, fed without a copy; `--initializers` makes
 them initializers of the fused op's graph instead, to check that its kernel does not prefer constant weights);
 runs alternate between them.
