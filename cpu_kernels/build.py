@@ -30,7 +30,7 @@ ENTRY_POINTS = {LIBRARY: "mindspore_aot.cc", ORT_LIBRARY: "ort_ops.cc"}
 # library beside the kernels library, whose pg_* symbols must not bind to this copy's (or the reverse).
 ORT_FLAGS = ("-fvisibility=hidden",)
 # Compiled into the custom-op library only, and only with oneDNN: the kernels library must not need libdnnl.
-ONEDNN_SOURCE = "onednn_linear.cc"
+ONEDNN_SOURCES = ("onednn_linear.cc",)
 ONEDNN_HEADER = "oneapi/dnnl/dnnl.hpp"
 ONEDNN_FLAGS = ("-DPG_WITH_ONEDNN",)
 ONEDNN_LINK = ("-ldnnl",)
@@ -87,7 +87,7 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None,
     header here, of `include`'s onnxruntime_c_api.h and of `headers` (a library's version header): their
     paths are machine details, their versions are not.
     """
-    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in (*ENTRY_POINTS.values(), ONEDNN_SOURCE))
+    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in (*ENTRY_POINTS.values(), *ONEDNN_SOURCES))
     sources = [ENTRY_POINTS[name], *kernels, *extra]
     inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h")) + list(headers)
     if include:
@@ -119,5 +119,5 @@ def ort_library_path() -> Path:
     onednn = onednn_include()
     if onednn is None:
         return _build(ORT_LIBRARY, ORT_FLAGS, include_dir(cache_root()))
-    return _build(ORT_LIBRARY, ORT_FLAGS + ONEDNN_FLAGS, include_dir(cache_root()), extra=(ONEDNN_SOURCE,),
+    return _build(ORT_LIBRARY, ORT_FLAGS + ONEDNN_FLAGS, include_dir(cache_root()), extra=ONEDNN_SOURCES,
                   link=ONEDNN_LINK, headers=(onednn / "oneapi/dnnl/dnnl_version.h",))

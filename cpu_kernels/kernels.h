@@ -65,6 +65,26 @@ int pg_swiglu(const float *x, float *out, int64_t tokens, int64_t width, const p
 int pg_block_minimum(const float *y, const float *x, const void *minimum_t, int32_t minimum_dtype, float *out,
                      int64_t tokens, int64_t n, int64_t k, int64_t block_size, const pg_runner *runner);
 
+// GroupedMatmul: y [m, n] = each expert group's rows of x [m, k] (group_list: counts for type 1, a running sum for
+// type 0) times that expert's weight [n, k] of the stack [experts, n, k], float32 or (`bfloat16`) bfloat16 bits with
+// x rounded to bfloat16; k a multiple of 16. Rows past the groups are zero; each element independent of the other
+// rows (batch-invariant).
+int pg_grouped_matmul(const float *x, const void *weight, int32_t bfloat16, const int64_t *group_list,
+                      int64_t group_list_type, float *y, int64_t m, int64_t k, int64_t n, int64_t experts,
+                      const pg_runner *runner);
+// GroupedMatmul.block_quantized: y [m, n] = each expert group's rows of x [m, k] (group_list: counts for type 1,
+// a running sum for type 0) times that expert's block-quantized weight, MatMulNBits' layout with a leading expert
+// axis: codes [experts, n, k / block_size, block_size * bits / 8], scales [experts, n, blocks], zero_points
+// [experts, n, Z] (bytes, or two 4-bit points a byte), minimum_t [experts, blocks, n] (minimum_dtype: a
+// pg_cache_dtype code, PG_CACHE_FLOAT16 or PG_CACHE_FLOAT32); zero points and minima not `per_expert` hold one
+// entry for every expert. Rows past the groups are zero. accuracy_level 0: float32 compute; 4: int8 inputs per
+// chunk of 32 with VNNI where the CPU has it and the blocks are multiples of 32 (else float32). Each element
+// independent of the other rows (batch-invariant).
+int pg_grouped_matmul_nbits(const float *x, const uint8_t *codes, const float *scales, const uint8_t *zero_points,
+                            int32_t zero_points_per_expert, const void *minimum_t, int32_t minimum_dtype,
+                            int32_t minimum_per_expert, const int64_t *group_list, int64_t group_list_type, float *y,
+                            int64_t m, int64_t k, int64_t n, int64_t experts, int64_t bits, int64_t block_size,
+                            int32_t accuracy_level, const pg_runner *runner);
 // Per-token int8 of x [tokens, k] (Linear.w8a8's input): row_scale [tokens] = max(max |x[t]|, 1e-8) / 127 and
 // codes [tokens, k] = round_half_even(x / row_scale) + 128 (uint8, the ONNX body's exact values).
 int pg_dynamic_quant(const float *x, uint8_t *codes, float *row_scale, int64_t tokens, int64_t k,

@@ -14,8 +14,6 @@
 // that only grow. A step allocates nothing once every gear has run once.
 #include "onednn_linear.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -29,6 +27,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "common.h"
+#include "onednn_threads.h"
 
 namespace {
 
@@ -43,17 +42,7 @@ const dnnl::engine &cpu() {
   return engine;
 }
 
-// oneDNN's OpenMP team size is this thread's nthreads-var: 1 while a chunk runs, restored after.
-class OneThread {
- public:
-  OneThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~OneThread() { omp_set_num_threads(saved_); }
-  OneThread(const OneThread &) = delete;
-  OneThread &operator=(const OneThread &) = delete;
-
- private:
-  int saved_;
-};
+using pg::OneThread;  // oneDNN's OpenMP team size: 1 while a chunk runs, restored after
 
 // What every node shares, under `mutex`: the primitives by shape, the buffers, one stream per chunk.
 struct Shared {

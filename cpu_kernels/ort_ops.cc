@@ -1,9 +1,10 @@
 // ONNX Runtime custom ops of domain `atb`: PagedAttention, ReshapeAndCache, SelfAttention, Rope, SwiGLU,
-// BlockMinimum and DynamicQuant, each ONE call into our kernels instead of the standard ops of its model-local
-// function body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum, 8 for a
-// per-token quantize);
-// with oneDNN (PG_WITH_ONEDNN), Linear.bfloat16 too, whose body's Cast + Gemm would run ORT's float32 GEMM on
-// widened weights (ORT has no bf16 GEMM on x86).
+// BlockMinimum, DynamicQuant and GroupedMatmulNBits, each ONE call into our kernels instead of the standard ops of
+// its model-local function body (~25 and Ifs for an attention, 16 for a rope, 4 for a SwiGLU or a block minimum, 8
+// for a per-token quantize, a loop dequantizing whole experts for the quantized grouped matmul);
+// GroupedMatmul (float32 and bfloat16 experts), whose body loops over the experts in ORT; with oneDNN
+// (PG_WITH_ONEDNN), Linear.bfloat16 too, whose body's Cast + Gemm would run ORT's float32 GEMM on widened weights
+// (ORT has no bf16 GEMM on x86).
 //
 // ONNX Runtime prefers a registered kernel to a model-local function of the same domain and name, so
 // exported graphs keep their portable bodies and registering this library is a pure speed-up. Only the
@@ -401,6 +402,92 @@ struct BlockMinimum {
   }
 };
 
+// GroupedMatmul (graphs/ops/grouped_matmul.py), float32 or bfloat16 experts: each expert's rows of x [M, K] times its
+// weight of the stack [E, N, K] (cpu_kernels/grouped_matmul.cc).
+struct GroupedMatmul {
+  static constexpr const char *name = "GroupedMatmul";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, ANY, I64};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  int64_t group_list_type = 0;
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    return api->KernelInfoGetAttribute_int64(info, "group_list_type", &group_list_type);
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> x;
+    Input<void> weight;
+    Input<int64_t> group_list;
+    RETURN_IF_ERROR(get_inputs(context, x, weight, group_list));
+    if (weight.type != F32 && weight.type != BF16)
+      return invalid("weight has element type " + std::to_string(weight.type) + ", expected float32 or bfloat16");
+    RETURN_IF_ERROR(check_shape("weight", weight.shape, {-1, -1, -1}));
+    const int64_t experts = weight.shape[0], n = weight.shape[1], k = weight.shape[2];
+    RETURN_IF_ERROR(check_shape("x", x.shape, {-1, k}));
+    RETURN_IF_ERROR(check_shape("group_list", group_list.shape, {experts}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, {x.shape[0], n}, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_grouped_matmul(x.data, weight.data, weight.type == BF16, group_list.data, group_list_type,
+                                           out, x.shape[0], k, n, experts, &runner));
+  }
+};
+
+// GroupedMatmul.block_quantized as the ONNX lowering emits it (exporter/onnx/moe.py): every part present, a form
+// without zero points or minima given their defaults, under the ORT-side name GroupedMatmulNBits (as
+// Linear.block_quantized runs as MatMulNBits).
+struct GroupedMatmulNBits {
+  static constexpr const char *name = "GroupedMatmulNBits";
+  static constexpr ONNXTensorElementDataType inputs[] = {F32, U8, F32, U8, ANY, I64};
+  static constexpr ONNXTensorElementDataType outputs[] = {F32};
+  int64_t k = 0, n = 0, bits = 0, block_size = 0, group_list_type = 0, accuracy_level = 0;
+
+  OrtStatus *init(const OrtKernelInfo *info) {
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "K", &k));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "N", &n));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "bits", &bits));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "block_size", &block_size));
+    RETURN_IF_ERROR(api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy_level));
+    return api->KernelInfoGetAttribute_int64(info, "group_list_type", &group_list_type);
+  }
+
+  OrtStatus *compute(OrtKernelContext *context) const {
+    Input<float> x, scales;
+    Input<uint8_t> codes, zero_points;
+    Input<void> minimum_t;
+    Input<int64_t> group_list;
+    RETURN_IF_ERROR(get_inputs(context, x, codes, scales, zero_points, minimum_t, group_list));
+    if (minimum_t.type != F32 && minimum_t.type != F16)
+      return invalid("minimum_t has element type " + std::to_string(minimum_t.type) + ", expected float16 or float32");
+    if (bits != 4 && bits != 8) return invalid("bits = " + std::to_string(bits) + ", expected 4 or 8");
+    if (block_size <= 0 || k % block_size)
+      return invalid("block_size " + std::to_string(block_size) + " does not divide K = " + std::to_string(k));
+    const int64_t experts = codes.shape[0], blocks = k / block_size;
+    RETURN_IF_ERROR(check_shape("x", x.shape, {-1, k}));
+    RETURN_IF_ERROR(check_shape("codes", codes.shape, {experts, n, blocks, block_size * bits / 8}));
+    RETURN_IF_ERROR(check_shape("scales", scales.shape, {experts, n, blocks}));
+    // zero points and minima: one per expert, or one [1, ...] entry for all (a form's defaults)
+    const int64_t zero_experts = zero_points.shape.size() ? zero_points.shape[0] : 0;
+    const int64_t minimum_experts = minimum_t.shape.size() ? minimum_t.shape[0] : 0;
+    if ((zero_experts != experts && zero_experts != 1) || (minimum_experts != experts && minimum_experts != 1))
+      return invalid("zero_points and minimum_t hold " + std::to_string(zero_experts) + " and " +
+                     std::to_string(minimum_experts) + " experts' entries, expected " + std::to_string(experts) +
+                     " or 1");
+    RETURN_IF_ERROR(
+        check_shape("zero_points", zero_points.shape, {zero_experts, n, bits == 8 ? blocks : (blocks + 1) / 2}));
+    RETURN_IF_ERROR(check_shape("minimum_t", minimum_t.shape, {minimum_experts, blocks, n}));
+    RETURN_IF_ERROR(check_shape("group_list", group_list.shape, {experts}));
+    float *out;
+    RETURN_IF_ERROR(get_output(context, 0, {x.shape[0], n}, out));
+    const pg_runner runner = runner_of(context);
+    return kernel_status(pg_grouped_matmul_nbits(
+        x.data, codes.data, scales.data, zero_points.data, zero_experts == experts, minimum_t.data,
+        minimum_t.type == F16 ? PG_CACHE_FLOAT16 : PG_CACHE_FLOAT32, minimum_experts == experts, group_list.data,
+        group_list_type, out, x.shape[0], k, n, experts, bits, block_size, static_cast<int32_t>(accuracy_level),
+        &runner));
+  }
+};
+
 // Per-token int8 of Linear.w8a8's input: codes + 128 as uint8 [T, K] and the row scales [T, 1].
 struct DynamicQuant {
   static constexpr const char *name = "DynamicQuant";
@@ -459,6 +546,7 @@ struct Linear {
     return kernel_status(pg_bf16_linear_run(linear, x.data, x.shape[0], weight.data, out, &runner));
   }
 };
+
 #endif
 
 // How many leading inputs of `Kernel` are required: `Kernel::required` where it has optional trailing ones.
@@ -540,6 +628,8 @@ CustomOp<Rope> rope_op;
 CustomOp<SwiGLU> swiglu_op;
 CustomOp<BlockMinimum> block_minimum_op;
 CustomOp<DynamicQuant> dynamic_quant_op;
+CustomOp<GroupedMatmul> grouped_matmul_op;
+CustomOp<GroupedMatmulNBits> grouped_matmul_nbits_op;
 #ifdef PG_WITH_ONEDNN
 CustomOp<Linear> linear_op;
 #endif
@@ -558,7 +648,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(O
   OrtCustomOpDomain *domain;
   RETURN_IF_ERROR(api->CreateCustomOpDomain("atb", &domain));
   std::vector<OrtCustomOp *> ops = {&paged_attention_op, &reshape_and_cache_op, &self_attention_op, &rope_op,
-                                    &swiglu_op, &block_minimum_op, &dynamic_quant_op};
+                                    &swiglu_op, &block_minimum_op, &dynamic_quant_op, &grouped_matmul_op,
+                                    &grouped_matmul_nbits_op};
 #ifdef PG_WITH_ONEDNN
   if (pg_bf16_linear_supported()) ops.push_back(&linear_op);  // else ORT runs Linear.bfloat16's function body
 #endif

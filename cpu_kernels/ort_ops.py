@@ -17,11 +17,17 @@ from .build import ort_library_path
 
 @dataclass(frozen=True)
 class CustomKernel:
-    """An `atb` custom op of the library: `struct <name>` in ort_ops.cc, registered under the op's name."""
+    """An `atb` custom op of the library: `struct <name>` in ort_ops.cc, registered under the op's name (or `node`,
+    the name of the node the ONNX lowering emits for it where that differs)."""
 
     op: Op
     source: str = "cpu_kernels/ort_ops.cc"
     onednn: bool = False  # built only where oneDNN is installed (cpu_kernels/build.py: onednn_missing)
+    node: str = ""
+
+    @property
+    def node_name(self) -> str:
+        return self.node or self.op.name
 
 
 ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
@@ -33,6 +39,10 @@ ORT_CUSTOM_OPS: Lowering[CustomKernel] = Lowering(
                                      ops.DYNAMIC_QUANT)},
     fallback="onnx")
 ORT_CUSTOM_OPS.register(ops.LINEAR_BF16)(CustomKernel(ops.LINEAR_BF16, "cpu_kernels/onednn_linear.cc", onednn=True))
+ORT_CUSTOM_OPS.register(ops.GROUPED_MATMUL_BLOCK_QUANTIZED)(
+    CustomKernel(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, "cpu_kernels/grouped_matmul.cc", node="GroupedMatmulNBits"))
+for _op in (ops.GROUPED_MATMUL, ops.GROUPED_MATMUL_BF16):  # one struct: the weight's dtype is read per call
+    ORT_CUSTOM_OPS.register(_op)(CustomKernel(_op, "cpu_kernels/grouped_matmul.cc"))
 
 
 def bf16_linear_supported() -> bool:

@@ -16,18 +16,22 @@ from pathlib import Path
 from typing import Mapping
 
 from .buckets import plan_gears
+from .quantize import BLOCK_SIZES
 from .config import ExportConfig
 from .onnx.slices import SLICE_BYTES
 from ..graphs import models
 from ..graphs.config import ModelConfig
-from ..graphs.family import Kind
+from ..graphs.family import GraphWeight, Kind
 from ..graphs.kv_cache import cache_format
 
 GiB = 1 << 30
 BASELINE = 600 << 20  # Python, numpy, onnx, onnxruntime and tokenizers loaded (docs/performance.md, export memory)
 GRAPH_MARGIN = 64 << 20  # per graph file: nodes and function bodies, no weights
 # Stored bytes per weight, at most, of each precision's linears (codes + per-block scales, minima, zero points).
-_BYTES_PER_WEIGHT = {"w8a16": 1.25, "w8a8": 1.25, "w4a16": 1.0}
+# Per block of a block-quantized weight: a float32 scale, a zero point byte (int8 per channel, exporter/quantize.py:
+# its row's scale repeated over blocks of up to 256 inputs) and, for w4a16's linears, a float32 minimum at most.
+_INT8_BLOCK_BYTES, _W4A16_GROUP_BYTES = 5, 9
+_INT8_FORMS = ("w8a16", "w8a8", "w4a16")  # w4a16's embedding and LM head are int8 per channel
 # A checkpoint's own blocks (gguf, gptq, awq) as stored here, against their size in the checkpoint file: float32
 # scales for float16 ones, zero points unpacked to a byte per block.
 _PREQUANTIZED_GROWTH = 1.5
@@ -55,7 +59,7 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
     """Upper estimates for exporting `model` with `config` from a checkpoint of `checkpoint_bytes` on disk."""
     options, quantization = config.export, config.model.quantization
     params, table = graph_weight_params(model, options.max_model_len), models.weight_table(model)
-    stored = {name: _stored_bytes(table[name].role.kind, n, quantization, config.model.dtype)
+    stored = {name: _stored_bytes(table[name], n, quantization, config.model.dtype, config.model.group_size)
               for name, n in params.items()}
     if quantization in ("gguf", "gptq", "awq"):
         artifact = int(checkpoint_bytes * _PREQUANTIZED_GROWTH)
@@ -68,7 +72,9 @@ def export_needs(model: ModelConfig, config: ExportConfig, checkpoint_bytes: int
     needs_float32 = _calibrates_in_float32(config)
     converting = max(size * (2 if len(table[name].sources) > 1 else 1.5) for name, size in float32.items())
     tokens = max(g.tokens for family in plan_gears(model, options).values() for g in family)
-    activations = 16 * tokens * max(model.intermediate_size, model.hidden_size)
+    # a MoE layer holds top_k expanded rows per token: the tokens' copies, their gate/up and their outputs
+    moe_width = 0 if model.moe is None else model.moe.top_k * max(2 * model.moe.intermediate_size, model.hidden_size)
+    activations = 16 * tokens * max(model.intermediate_size, model.hidden_size, moe_width)
     # a bfloat16 graph's slices hold their linears widened to float32 (OnnxWeights.session_bytes)
     running = 2.5 * _largest_slice(model, float32 if config.model.dtype == "bfloat16" else stored) + activations
     if needs_float32:
@@ -88,9 +94,13 @@ def _largest_slice(model: ModelConfig, nbytes: Mapping[str, int]) -> int:
     return min(max(SLICE_BYTES, layer + ends), sum(nbytes.values()))
 
 
-def _stored_bytes(kind: Kind, params: int, quantization: str, dtype: str) -> int:
-    if kind.matrix and quantization in _BYTES_PER_WEIGHT:
-        return int(params * _BYTES_PER_WEIGHT[quantization])
+def _stored_bytes(weight: GraphWeight, params: int, quantization: str, dtype: str, group_size: int) -> int:
+    kind = weight.role.kind
+    if kind is Kind.LINEAR and quantization == "w4a16":
+        return int(params * (0.5 + _W4A16_GROUP_BYTES / group_size))
+    if kind.matrix and quantization in _INT8_FORMS:
+        inputs = weight.sources[0].shape[-1]
+        return int(params * (1 + _INT8_BLOCK_BYTES / max((b for b in BLOCK_SIZES if inputs % b == 0), default=16)))
     if kind.matrix and dtype == "bfloat16":
         return 2 * params
     return 4 * params

@@ -1,5 +1,6 @@
 """One rank's graph weights: each fused linear cut along its output rows (column-parallel) or its input columns
-(row-parallel) as graphs/tensor_parallel.py lays the ranks out; every other weight replicated.
+(row-parallel) as graphs/tensor_parallel.py lays the ranks out, a stack of experts expert by expert; every other
+weight (a MoE router too) replicated.
 
 Float (float32, bfloat16), block-quantized and int8 per-channel weights are cut alike: a block-quantized weight's
 input columns are cut at whole blocks, so a row-parallel linear needs its per-rank inputs to be a multiple of the
@@ -14,12 +15,13 @@ import numpy as np
 from ..graphs import models
 from ..graphs.config import ModelConfig
 from ..graphs.family import GraphWeight, Split
-from ..graphs.quant import BlockQuantized, Int8PerChannel, Weight
+from ..graphs.quant import BlockQuantized, ExpertStack, Int8PerChannel, Weight
 from ..graphs.tensor_parallel import FIELD, RankShard, TensorParallelError
 from .quantize import BLOCK_SIZES
 
-COLUMN_PARALLEL = (Split.QKV_ROWS, Split.HALVES_ROWS)  # rank r keeps some output rows
-ROW_PARALLEL = (Split.HEAD_COLUMNS, Split.CHANNEL_COLUMNS)  # rank r keeps some input columns: a partial sum
+COLUMN_PARALLEL = (Split.QKV_ROWS, Split.HALVES_ROWS, Split.EXPERT_HALVES_ROWS)  # rank r keeps some output rows
+# rank r keeps some input columns: a partial sum
+ROW_PARALLEL = (Split.HEAD_COLUMNS, Split.CHANNEL_COLUMNS, Split.EXPERT_CHANNEL_COLUMNS)
 
 
 def _span(start: int, stop: int, width: int, offset: int = 0) -> np.ndarray:
@@ -28,19 +30,25 @@ def _span(start: int, stop: int, width: int, offset: int = 0) -> np.ndarray:
 
 def rank_rows(config: ModelConfig, split: Split, shard: RankShard) -> np.ndarray:
     """The output rows of a column-parallel weight that `shard` keeps: its query heads, then its K and V heads
-    (fused QKV); its gate channels, then its up channels (fused gate/up)."""
+    (fused QKV); its gate channels, then its up channels (fused gate/up; each expert's, of a stack)."""
     d = config.head_dim
     if split is Split.HALVES_ROWS:
         return np.concatenate([_span(*shard.intermediate, 1), _span(*shard.intermediate, 1, config.intermediate_size)])
+    if split is Split.EXPERT_HALVES_ROWS:
+        width = config.moe.intermediate_size  # type: ignore[union-attr]
+        return np.concatenate([_span(*shard.expert_intermediate, 1), _span(*shard.expert_intermediate, 1, width)])
     return np.concatenate([_span(*shard.heads, d), _span(*shard.kv_heads, d, config.q_size),
                            _span(*shard.kv_heads, d, config.q_size + config.kv_size)])
 
 
 def rank_columns(config: ModelConfig, split: Split, shard: RankShard) -> slice:
-    """The input columns of a row-parallel weight that `shard` keeps: its heads' (o_proj), its channels' (down)."""
-    start, stop = shard.intermediate if split is Split.CHANNEL_COLUMNS else (
-        shard.heads[0] * config.head_dim, shard.heads[1] * config.head_dim)
-    return slice(start, stop)
+    """The input columns of a row-parallel weight that `shard` keeps: its heads' (o_proj), its channels' (down; each
+    expert's, of a stack)."""
+    if split is Split.CHANNEL_COLUMNS:
+        return slice(*shard.intermediate)
+    if split is Split.EXPERT_CHANNEL_COLUMNS:
+        return slice(*shard.expert_intermediate)
+    return slice(shard.heads[0] * config.head_dim, shard.heads[1] * config.head_dim)
 
 
 def shard_weight(config: ModelConfig, spec: GraphWeight, w: Weight, shard: RankShard) -> Weight:
@@ -71,6 +79,10 @@ class ShardedWeights(Mapping[str, Weight]):
 
 
 def _rows(w: Weight, rows: np.ndarray) -> Weight:
+    if isinstance(w, ExpertStack):
+        return ExpertStack(tuple(e.rows(rows) for e in w.experts))
+    if isinstance(w, np.ndarray) and w.ndim == 3:  # a float stack of experts [E, out, in]
+        return np.ascontiguousarray(w[:, rows])
     if isinstance(w, BlockQuantized):
         return w.rows(rows)
     if isinstance(w, Int8PerChannel):
@@ -79,6 +91,10 @@ def _rows(w: Weight, rows: np.ndarray) -> Weight:
 
 
 def _columns(w: Weight, cols: slice, name: str) -> Weight:
+    if isinstance(w, ExpertStack):
+        return ExpertStack(tuple(_columns(e, cols, name) for e in w.experts))  # type: ignore[misc]
+    if isinstance(w, np.ndarray) and w.ndim == 3:
+        return np.ascontiguousarray(w[:, :, cols])
     if isinstance(w, Int8PerChannel):  # one scale per output row: every rank keeps all of them
         return Int8PerChannel(np.ascontiguousarray(w.q[:, cols]), w.scale, w.source)
     if not isinstance(w, BlockQuantized):

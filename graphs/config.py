@@ -32,6 +32,32 @@ class Pooling:
     def __post_init__(self) -> None:
         if self.type not in POOLING_TYPES:
             raise ValueError(f"pooling type {self.type!r}: choose one of {', '.join(POOLING_TYPES)}")
+class MoeConfig:
+    """A Mixture-of-Experts model's sparse layers (graphs/moe.py): plain data, recorded in the manifest.
+
+    Each sparse layer's FFN routes every token to `top_k` of `num_experts` SwiGLU experts of width
+    `intermediate_size` (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size); the other layers keep the
+    dense SwiGLU MLP of ModelConfig.intermediate_size (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int
+    norm_topk_prob: bool  # the k routing weights renormalized to sum 1 (Mixtral always)
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok = {self.top_k} with {self.num_experts} experts: each token reads "
+                             "between 1 and num_experts experts")
+
+    def expert_parameters(self, hidden_size: int) -> int:
+        """Parameters of one expert (gate, up and down)."""
+        return 3 * hidden_size * self.intermediate_size
+
+    def layer_parameters(self, hidden_size: int) -> tuple[int, int]:
+        """(stored, read per token) parameters of one sparse layer's FFN: the router and all experts, or top_k."""
+        router, expert = self.num_experts * hidden_size, self.expert_parameters(hidden_size)
+        return router + self.num_experts * expert, router + self.top_k * expert
 
 
 @dataclass(frozen=True)
@@ -55,8 +81,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: Pooling | None = None  # an embedding model's head; None: the LM head (logits)
+    moe: MoeConfig | None = None  # a Mixture-of-Experts model's sparse layers (None: every layer dense)
 
     def __post_init__(self) -> None:
+        if self.moe is not None and not set(self.moe.sparse_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"sparse layers {list(self.moe.sparse_layers)} outside the model's {self.num_layers}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -80,4 +109,6 @@ class ModelConfig:
             pooling = data["pooling"]
             data["pooling"] = Pooling(**{**pooling,
                                          "matryoshka_dimensions": tuple(pooling.get("matryoshka_dimensions", ()))})
+        if data.get("moe"):  # manifests before MoE have no such key: dense
+            data["moe"] = MoeConfig(**{**data["moe"], "sparse_layers": tuple(data["moe"]["sparse_layers"])})
         return cls(**data)

@@ -30,6 +30,7 @@ class Kind(enum.Enum):
     NORM = "norm"
     BIAS = "bias"
     TABLE = "table"  # computed from the config (rope cos/sin), not read from the checkpoint
+    ROUTER = "router"  # a MoE layer's router: float32 always (its logits choose the experts; graphs/moe.py)
 
     @property
     def matrix(self) -> bool:
@@ -45,6 +46,9 @@ class Split(enum.Enum):
     HALVES_ROWS = "halves rows"  # column-parallel: a rank's channels of the first half (gate), then of the second (up)
     HEAD_COLUMNS = "head columns"  # row-parallel: a rank's query heads' inputs (o_proj)
     CHANNEL_COLUMNS = "channel columns"  # row-parallel: a rank's intermediate channels (down)
+    # a stack of experts [E, out, in], each cut as its dense counterpart over MoeConfig.intermediate_size
+    EXPERT_HALVES_ROWS = "expert halves rows"
+    EXPERT_CHANNEL_COLUMNS = "expert channel columns"
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,62 @@ class Source:
 @dataclass(frozen=True)
 class GraphWeight:
     """One graph parameter: the checkpoint tensors it is made of (fused along their rows, in order), its role, and
-    the norm whose output is its input (`fed_by`, a graph weight; SmoothQuant folds its factors into that norm)."""
+    the norm whose output is its input (`fed_by`, a graph weight; SmoothQuant folds its factors into that norm).
+
+    A stack of `experts` (a MoE layer's, GroupedMatmul's weight [E, out, in]) lists each expert's tensors in turn
+    (`sources`: expert 0's parts, then expert 1's, ...; each expert's parts fused along their rows, then stacked),
+    as the released checkpoints store them. `layouts` names other ways checkpoints store the same weight: other
+    names of the same tensors (Mixtral's router, `block_sparse_moe.gate` or `mlp.gate`), or, for a stack, tensors
+    [E, rows, in] whose rows, expert by expert, are those of `sources` in order (transformers' fused
+    `experts.gate_up_proj`; llama.cpp's `ffn_*_exps`, under the names its converter gives the merged experts). A
+    reader that finds another layout presents its slices under the `sources` names (`layout_slices`), so everything
+    past the readers sees one layout."""
 
     name: str
     role: Role
     sources: tuple[Source, ...] = ()
     fed_by: str | None = None
+    experts: int = 0
+    layouts: tuple[tuple[Source, ...], ...] = ()
+
+    def expert_sources(self, expert: int) -> tuple[Source, ...]:
+        """Expert `expert`'s parts of a stack."""
+        parts = len(self.sources) // self.experts
+        return self.sources[expert * parts:(expert + 1) * parts]
+
+
+@dataclass(frozen=True)
+class SourceSlice:
+    """Where one of a weight's `sources` lies in another layout: rows `rows` of `tensor` (of its expert `expert`
+    where `tensor` is a stack [E, rows, in])."""
+
+    tensor: str
+    expert: int | None
+    rows: slice
+
+
+def layout_slices(weight: GraphWeight, layout: Sequence[Source]) -> dict[str, SourceSlice]:
+    """Each of `weight.sources` as a slice of the tensors of `layout` (one of `weight.layouts`); a ValueError where a
+    source would straddle two of them."""
+    axis = 1 if weight.experts else 0  # the rows of a stack [E, rows, in]
+    bounds, start = [], 0
+    for tensor in layout:
+        bounds.append((start, start + tensor.shape[axis], tensor.name))
+        start += tensor.shape[axis]
+    groups = [(e, weight.expert_sources(e)) for e in range(weight.experts)] if weight.experts \
+        else [(None, weight.sources)]
+    found: dict[str, SourceSlice] = {}
+    for expert, parts in groups:
+        row = 0
+        for source in parts:
+            end = row + source.shape[0]
+            owner = next(((first, name) for first, last, name in bounds if first <= row and end <= last), None)
+            if owner is None:
+                raise ValueError(f"{weight.name}: {source.name} straddles the tensors "
+                                 f"{', '.join(t.name for t in layout)}")
+            found[source.name] = SourceSlice(owner[1], expert, slice(row - owner[0], end - owner[0]))
+            row = end
+    return found
 
 
 @dataclass(frozen=True)

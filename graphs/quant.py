@@ -156,12 +156,46 @@ class Int8PerChannel:
         return cls(q, scale)
 
 
-Weight = np.ndarray | BlockQuantized | Int8PerChannel
+@dataclass(frozen=True)
+class ExpertStack:
+    """E block-quantized experts of one form: a GroupedMatmul's weight [E, N, K] (graphs/ops/grouped_matmul.py).
+    Its `form` is one expert's ([N, K]): what the op variant's attributes describe."""
+
+    experts: tuple[BlockQuantized, ...]
+
+    def __post_init__(self) -> None:
+        forms = {(w.shape, w.bits, w.block_size, w.minimum is not None, w.form.default_zero_point)
+                 for w in self.experts}
+        if len(forms) != 1:
+            raise ValueError(f"the experts' quantized forms differ ({sorted(forms)}); a GroupedMatmul reads one form "
+                             "for every expert: quantize them alike")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    @property
+    def form(self) -> BlockForm:
+        return self.experts[0].form
+
+    @property
+    def source(self) -> str:
+        return "+".join(sorted({w.source for w in self.experts}))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.experts)
+
+    def dequantize(self) -> np.ndarray:
+        return np.stack([w.dequantize() for w in self.experts])
+
+
+Weight = np.ndarray | BlockQuantized | Int8PerChannel | ExpertStack
 WeightForm = DenseForm | BlockForm | Int8Form
 
 
 def form_of(w: Weight) -> WeightForm:
-    if isinstance(w, (BlockQuantized, Int8PerChannel)):
+    if isinstance(w, (BlockQuantized, Int8PerChannel, ExpertStack)):
         return w.form
     return DenseForm(w.shape, w.dtype.name)
 
@@ -297,3 +331,15 @@ def w8a8_static_parts(name: str) -> list[str]:
 def int8_graph_arrays(name: str, w: Int8PerChannel) -> dict[str, np.ndarray]:
     codes, scale = int8_graph_parts(name)
     return {codes: np.ascontiguousarray(w.q.T), scale: np.ascontiguousarray(w.scale, np.float32)}
+
+
+def stacked_graph_arrays(name: str, stack: ExpertStack) -> dict[str, np.ndarray]:
+    """The graph parameters of a stack of quantized experts: each part of `graph_arrays` with a leading expert
+    axis."""
+    parts = [graph_arrays(name, w) for w in stack.experts]
+    return {part: np.ascontiguousarray(np.stack([p[part] for p in parts])) for part in parts[0]}
+
+
+def unstack(arrays: Sequence[np.ndarray | None], expert: int) -> list[np.ndarray | None]:
+    """One expert's slices of stacked parts (None stays None)."""
+    return [None if a is None else a[expert] for a in arrays]

@@ -1,7 +1,7 @@
 """Tensor parallelism over N ranks (Megatron's split, as vLLM and MindIE shard LLaMA): what each rank holds.
 
-Column-parallel: QKV (rank r's query heads and its KV heads) and gate/up (its slice of the intermediate size), so
-attention and SwiGLU run on local data. Row-parallel: o_proj and down take those local slices as inputs and give a
+Column-parallel: QKV (rank r's query heads and its KV heads) and gate/up (its slice of the intermediate size; in a
+MoE layer, its slice of every expert's), so attention and SwiGLU run on local data. Row-parallel: o_proj and down take those local slices as inputs and give a
 partial sum of the hidden state, which an AllReduce completes before the residual Add (two per layer).
 
 The embedding and the LM head are replicated, not vocab-parallel: every rank gathers whole rows and computes the
@@ -32,19 +32,23 @@ class RankShard:
     heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
+    expert_intermediate: tuple[int, int] = (0, 0)  # of each expert (MoeConfig.intermediate_size); none when dense
+
+
+def _split_dims(config: ModelConfig) -> list[tuple[str, int]]:
+    dims = [("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+            ("intermediate_size", config.intermediate_size)]
+    return dims + ([("the experts' intermediate size", config.moe.intermediate_size)] if config.moe else [])
 
 
 def check_size(config: ModelConfig, size: int) -> None:
-    """`size` must divide the query heads, the KV heads and the intermediate size (each rank owns whole heads)."""
+    """`size` must divide the query heads, the KV heads and the intermediate sizes, dense and each expert's (each
+    rank owns whole heads)."""
     if size < 1:
         raise TensorParallelError(f"{FIELD} = {size}: must be at least 1")
-    problems = [f"{name} = {value}" for name, value in (("num_heads", config.num_heads),
-                                                         ("num_kv_heads", config.num_kv_heads),
-                                                         ("intermediate_size", config.intermediate_size))
-                if value % size]
+    problems = [f"{name} = {value}" for name, value in _split_dims(config) if value % size]
     if problems:
-        valid = [n for n in range(1, config.num_kv_heads + 1) if not (config.num_heads % n or config.num_kv_heads % n
-                                                                      or config.intermediate_size % n)]
+        valid = [n for n in range(1, config.num_kv_heads + 1) if not any(v % n for _, v in _split_dims(config))]
         raise TensorParallelError(f"{FIELD} = {size} must divide the model's {', '.join(problems)} (each rank "
                                   f"holds whole heads); valid sizes for this model: {valid}")
 
@@ -52,8 +56,10 @@ def check_size(config: ModelConfig, size: int) -> None:
 def rank_config(config: ModelConfig, size: int) -> ModelConfig:
     """The model as one rank sees it: its heads, KV heads and intermediate channels (hidden and vocab whole)."""
     check_size(config, size)
+    moe = None if config.moe is None else dataclasses.replace(config.moe,
+                                                              intermediate_size=config.moe.intermediate_size // size)
     return dataclasses.replace(config, num_heads=config.num_heads // size, num_kv_heads=config.num_kv_heads // size,
-                               intermediate_size=config.intermediate_size // size)
+                               intermediate_size=config.intermediate_size // size, moe=moe)
 
 
 def shards(config: ModelConfig, size: int) -> tuple[RankShard, ...]:
@@ -63,5 +69,6 @@ def shards(config: ModelConfig, size: int) -> tuple[RankShard, ...]:
     def span(rank: int, width: int) -> tuple[int, int]:
         return rank * width, (rank + 1) * width
 
+    experts = 0 if local.moe is None else local.moe.intermediate_size
     return tuple(RankShard(r, size, span(r, local.num_heads), span(r, local.num_kv_heads),
-                           span(r, local.intermediate_size)) for r in range(size))
+                           span(r, local.intermediate_size), span(r, experts)) for r in range(size))

@@ -1,11 +1,12 @@
 """Each graph weight's form, so a model definition emits the op variant that reads it (Linear, Linear.bfloat16,
-Linear.block_quantized, Linear.w8a8, Linear.w8a8_static; Gather likewise)."""
+Linear.block_quantized, Linear.w8a8, Linear.w8a8_static; Gather and GroupedMatmul likewise)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, TypeVar
 
 from . import ops, quant
+from .ops.grouped_matmul import GROUP_COUNT
 from .ops.linear_bf16 import BFLOAT16
 from .ops.op import OpBuilder
 from .quant import BlockForm, DenseForm, Int8Form, Weight, WeightForm
@@ -46,6 +47,19 @@ class WeightForms:
             return b.emit(ops.LINEAR, x, b.weight(name), bias)
         return b.emit(ops.LINEAR_BLOCK_QUANTIZED, x, *self._parts(b, name, form), bias, K=form.shape[1],
                       N=form.shape[0], bits=form.bits, block_size=form.block_size, accuracy_level=self.accuracy_level)
+
+    def grouped_linear(self, b: OpBuilder[T], x: T, name: str, group_list: T) -> T:
+        """GroupedMatmul over a stack of experts (graphs/moe.py) in the variant of its form: float32, bfloat16 or
+        block-quantized (whose form is one expert's [N, K]; its compute follows `accuracy_level`, as the linears'
+        does: 4 multiplies int8 inputs, 0 float32 ones)."""
+        form = self.forms.get(name)
+        if isinstance(form, DenseForm) and form.dtype == BFLOAT16.name:
+            return b.emit(ops.GROUPED_MATMUL_BF16, x, b.weight(name), group_list, group_list_type=GROUP_COUNT)
+        if isinstance(form, BlockForm):
+            return b.emit(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, x, *self._parts(b, name, form), group_list,
+                          K=form.shape[1], N=form.shape[0], bits=form.bits, block_size=form.block_size,
+                          accuracy_level=self.accuracy_level, group_list_type=GROUP_COUNT)
+        return b.emit(ops.GROUPED_MATMUL, x, b.weight(name), group_list, group_list_type=GROUP_COUNT)
 
     def gather(self, b: OpBuilder[T], name: str, indices: T) -> T:
         form = self.forms.get(name)

@@ -40,6 +40,7 @@ def describe(artifact: Path, verify: bool = True) -> dict[str, Any]:
         "model": {"architecture": model.architecture, "layers": model.num_layers, "hidden_size": model.hidden_size,
                   "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
                   "vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_word_embeddings,
+                  "moe": None if model.moe is None else asdict(model.moe),
                   "source": manifest.export_config.get("model", {}).get("source")},
         "task": manifest.task,
         "pooling": None if model.pooling is None else asdict(model.pooling),
@@ -71,6 +72,9 @@ def text(record: dict[str, Any], gears: bool = False) -> str:
              f"{m['heads']}/{m['kv_heads']} heads of {m['head_dim']}, vocab {m['vocab_size']}"
              f"{', tied embeddings' if m['tie_word_embeddings'] else ''}; from {m['source']}",
              f"task          {record['head']}",
+             *([f"experts       {e['num_experts']} per sparse layer ({len(e['sparse_layers'])} of {m['layers']}), "
+                f"top-{e['top_k']}{' renormalized' if e['norm_topk_prob'] else ''}, {e['intermediate_size']} wide"]
+               if (e := m.get("moe")) else []),
              f"dtype         {record['dtype']}, block_size {record['block_size']}, "
              f"max_model_len {record['max_model_len']}"]
     tp = record.get("tensor_parallel", {"size": 1, "ranks": []})

@@ -114,6 +114,11 @@ class Packer:
         be a prompt tile, another reduction. So greedy output with speculation is the plain run's at every
         precision, and a step of decodes and verifications runs a decode gear."""
         self.block_size = manifest.block_size
+        # A Mixture-of-Experts model's padding decode rows copy the first sequence (its token, position, block table
+        # and context; their K/V written into the null block): each computes what that row computes, so it chooses
+        # the same experts, and a padded step reads no expert weights that no real token chose (a row of token 0
+        # would choose up to top_k others: twice the expert bytes of a single decode).
+        self.copy_padding = manifest.model.moe is not None
         self.verify_as_decode = batch_invariant
         self.selector = GearSelector({name: f.gears for name, f in manifest.families.items()},
                                      batch_invariant and manifest.block_quantized)
@@ -169,11 +174,19 @@ class Packer:
                 part += 1
             row += n
             logits_indices[b] = row - 1
-        ids[row:] = 0
-        positions[row:] = 0
         slots[row:] = c.NULL_BLOCK * bs
-        cu[part:] = row
-        context_lens[part:] = 0
+        if self.copy_padding and part == row and len(ids) - row == len(cu) - 1 - part:
+            padding = len(ids) - row  # decode rows: one part each, copies of the first
+            ids[row:], positions[row:] = ids[0], positions[0]
+            tables[part:part + padding] = tables[0]
+            np.add(self._arange[:padding], row, out=cu[part:part + padding], casting="unsafe")
+            cu[part + padding:] = len(ids)
+            context_lens[part:part + padding] = context_lens[0]
+        else:
+            ids[row:] = 0
+            positions[row:] = 0
+            cu[part:] = row
+            context_lens[part:] = 0
         real = len(batch.seqs)
         rows = real + batch.token_rows
         if batch.token_rows:

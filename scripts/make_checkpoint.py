@@ -4,6 +4,7 @@ judged on at real sizes without downloading a model.
     python scripts/make_checkpoint.py --preset 7b --out /data/ckpt-7b      # LLaMA-2-7B's layout, 12.6 GiB
     python scripts/make_checkpoint.py --preset 1.1b --layers 4 --out DIR   # TinyLlama's widths, 4 layers
     python scripts/make_checkpoint.py --preset qwen3-8b --out DIR          # Qwen3-8B's layout, 15.3 GiB
+    python scripts/make_checkpoint.py --preset olmoe --out DIR             # Qwen3-MoE at OLMoE-1B-7B's shape, 12.9 GiB
 
 A preset names a family of the model registry and its config.json fields; the tensors and their shapes are the ones
 that family declares (graphs/models), so any registered family has checkpoints of any size.
@@ -87,6 +88,12 @@ PRESETS = {
                                          vocab_size=151936)),  # Qwen3-1.7B
     "qwen3-8b": Preset("qwen3", _dense(4096, 12288, 36, 32, 8, False, 40960, 1e6, 1e-6, head_dim=128,
                                        vocab_size=151936)),  # Qwen3-8B
+    # OLMoE-1B-7B's widths as a Qwen3-MoE model: 64 experts of width 1024 per layer, top-8, softmax weights as OLMoE
+    # routes (norm_topk_prob false), every layer sparse; 6.9B parameters, 1.3B read per token; its experts stored one
+    # tensor each, as transformers saves them (3,072 expert tensors)
+    "olmoe": Preset("qwen3_moe", _dense(2048, 1024, 16, 16, 16, False, 4096, 10000.0, 1e-5, head_dim=128,
+                                        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+                                        norm_topk_prob=False)),
 }
 
 

@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-batch", type=int, help="single: llama.cpp's prompt batch (default: the whole "
+                        "prompt). 1 prefills a token at a time, the decode figure unchanged: a llama.cpp built here "
+                        "with AMX died of SIGILL on batches of 4 or more tokens (2026-12-06, docs/performance.md)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--workload", choices=["single", "copy"], default="single",
                         help="single: decode tok/s of random prompts; copy: speculative decoding on and off")
@@ -229,8 +232,9 @@ def main() -> None:
     from llama_cpp import Llama
 
     gguf = args.gguf or str(default_model_path())
+    batch = args.llama_batch or args.prompt_tokens
     llm = Llama(model_path=gguf, n_threads=args.threads, n_threads_batch=args.threads,
-                n_ctx=args.prompt_tokens + args.max_tokens + 8, n_batch=args.prompt_tokens, verbose=False)
+                n_ctx=args.prompt_tokens + args.max_tokens + 8, n_batch=batch, n_ubatch=batch, verbose=False)
     dtypes = args.kv_cache_dtypes or ["auto"]
     engines = {f"{a} ({d} KV)" if len(dtypes) > 1 else a: LLMEngine(a, EngineConfig(threads=args.threads,
                                                                                     kv_cache_dtype=d))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import peer_workload
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -100,21 +101,33 @@ def measure(run: Run, threads: int, timeout: float) -> dict[str, Any]:
             "figures": figures}
 
 
+def not_run(name: str, why: str) -> dict[str, Any]:
+    """A run whose preparation failed, recorded as one (its conditions are those of the attempt)."""
+    load = os.getloadavg()[0]
+    return {"name": name, "engine": name.split(",")[0], "command": [], "figures": {},
+            "conditions": {"status": f"not run: {why}", "wall_s": 0.0, "load_avg_1m_start": load,
+                           "load_avg_1m_end": load, "machine_cpu_busy": 0.0, "run_cpu_utilization": 0.0}}
+
+
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, Path]:
     """What the runs share, made once per WORK directory."""
     paths = {"ours": work / "ours", "workload": work / "workload.json", "openvino": work / "openvino",
              "gguf": args.gguf or work / "q8_0.gguf"}
     if not (paths["ours"] / "manifest.json").is_file():
+        quantization = ["--quantization", args.quantization] if args.quantization else []
         subprocess.run([sys.executable, "-m", "pagedgraph.cli", "export", "--config", str(args.config), "--model",
-                        str(args.checkpoint), "--out", str(paths["ours"])], cwd=REPO, check=True)
+                        str(args.checkpoint), *quantization, "--out", str(paths["ours"])], cwd=REPO, check=True)
     if not paths["workload"].is_file():
         workload = peer_workload.make_workload(str(paths["ours"]), args.requests, args.seed, args.rounds,
                                                args.prompt_tokens, args.max_tokens)
         paths["workload"].write_text(json.dumps(asdict(workload)) + "\n")
     if "openvino" in args.engines and not (paths["openvino"] / "openvino_model.xml").is_file():
-        subprocess.run([str(Path(args.openvino_venv) / "bin" / "optimum-cli"), "export", "openvino", "--model",
-                        str(args.checkpoint), "--task", "text-generation-with-past", str(paths["openvino"])],
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True)
+        failure = guarded([str(Path(args.openvino_venv) / "bin" / "optimum-cli"), "export", "openvino", "--model",
+                           str(args.checkpoint), "--task", "text-generation-with-past", str(paths["openvino"])],
+                          {**os.environ, "HF_HUB_OFFLINE": "1"}, args.convert_rss_gib, args.min_available_gib)
+        if failure:
+            args.engines.remove("openvino")
+            args.failures["OpenVINO GenAI, its defaults"] = f"optimum-cli export: {failure}"
     if "llama.cpp" in args.engines and not Path(paths["gguf"]).is_file():
         if args.convert_script is None:
             raise SystemExit("llama.cpp needs --gguf Q8.gguf or --convert-script .../convert_hf_to_gguf.py")
@@ -123,6 +136,31 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Path]:
                         str(paths["gguf"])], env={**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")},
                        check=True)
     return paths
+
+
+def guarded(argv: list[str], env: dict[str, str], rss_gib: float, available_gib: float) -> str | None:
+    """Run a conversion with its memory watched: its process tree is killed once its RSS passes `rss_gib` or the
+    machine's MemAvailable falls under `available_gib` (a shared machine: a peer's converter that would not fit
+    must fail alone, not wake the OOM killer among other people's processes). None when it succeeded, else why not
+    and the peak it reached."""
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, start_new_session=True)
+    peak, start = 0, time.perf_counter()
+    while proc.poll() is None:
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            rss = sum(p.memory_info().rss for p in tree)
+        except psutil.NoSuchProcess:
+            continue
+        peak, available = max(peak, rss), psutil.virtual_memory().available
+        if rss > rss_gib * 2**30 or available < available_gib * 2**30:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return (f"stopped after {time.perf_counter() - start:.0f} s: RSS {rss / 2**30:.1f} GiB (limit {rss_gib}), "
+                    f"MemAvailable {available / 2**30:.1f} GiB (floor {available_gib})")
+        time.sleep(0.5)
+    if proc.returncode:
+        return f"exit {proc.returncode} after {time.perf_counter() - start:.0f} s (peak RSS {peak / 2**30:.1f} GiB)"
+    return None
 
 
 def _python(venv: str | Path) -> str:
@@ -142,7 +180,8 @@ def runs(args: argparse.Namespace, paths: dict[str, Path], work: Path) -> list[R
         planned.append(Run("ours single stream", "pagedgraph", [
             sys.executable, str(SCRIPTS / "peer_workload.py"), "--artifact", ours, "--requests", str(args.requests),
             "--seed", str(args.seed), "--rounds", str(args.rounds), "--out", str(work / "workload_again.json"),
-            "--ours", ours, "--threads", threads, "--json", str(work / "ours_single.json")],
+            "--ours", ours, *[a for b in args.beside for a in ("--ours", str(b))], "--threads", threads, "--json",
+            str(work / "ours_single.json")],
             work / "ours_single.json"))
     if "openvino" in args.engines:
         planned.append(Run("OpenVINO GenAI, its defaults", "openvino-genai", [
@@ -155,11 +194,14 @@ def runs(args: argparse.Namespace, paths: dict[str, Path], work: Path) -> list[R
             workload, "--dtype", "auto", "--kv-cache-gib", str(args.vllm_kv_cache_gib), "--threads", threads,
             "--json", str(work / "vllm.json")], work / "vllm.json", {"HF_HUB_OFFLINE": "1"}))
     if "llama.cpp" in args.engines:
-        planned.append(Run("llama.cpp Q8_0 and ours, single stream, taking turns", "llama.cpp", [
-            _python(args.llama_venv), str(SCRIPTS / "peer_llamacpp.py"), "--artifact", ours, "--gguf",
+        batch = ["--llama-batch", str(args.llama_batch)] if args.llama_batch else []
+        kv_turns = ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+        planned.append(Run(f"llama.cpp {Path(paths['gguf']).stem} and ours, single stream, taking turns", "llama.cpp", [
+            _python(args.llama_venv), str(SCRIPTS / "peer_llamacpp.py"), "--artifact", ours,
+            *[a for b in args.beside for a in ("--artifact", str(b))], *kv_turns, "--gguf",
             str(paths["gguf"]), "--threads", threads, "--rounds", str(args.rounds), "--prompt-tokens",
-            str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), "--json", str(work / "llamacpp.json")],
-            work / "llamacpp.json"))
+            str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), *batch, "--json",
+            str(work / "llamacpp.json")], work / "llamacpp.json"))
     return planned
 
 
@@ -175,18 +217,24 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             mixed[r["engine"]] = f["mixed"]["total_tok_s"]
         if "single_stream_best" in f:
             single[r["engine"]] = f["single_stream_best"]
-        for name, ours in f.get("ours", {}).items():
-            single["pagedgraph"] = ours["single_stream_best"]
-        if "decode_tok_s" in f:  # peer_llamacpp.py: ours and llama.cpp in one process
-            single["llama.cpp"] = f["decode_tok_s"]["llama.cpp"]
-            single["pagedgraph (beside llama.cpp)"] = max(v for k, v in f["decode_tok_s"].items() if k != "llama.cpp")
+        for name, ours in f.get("ours", {}).items():  # the artifact under test, then any --beside
+            single["pagedgraph" if name == "WORK/ours" else f"pagedgraph {name}"] = ours["single_stream_best"]
+        if "decode_tok_s" in f:  # peer_llamacpp.py: ours (then any --beside) and llama.cpp taking turns
+            for name, tok_s in f["decode_tok_s"].items():
+                ours_name = "pagedgraph" if name == "WORK/ours" else f"pagedgraph {name}"
+                single[name if name == "llama.cpp" else f"{ours_name} (beside llama.cpp)"] = tok_s
     ratios = {f"mixed vs {k}": mixed["pagedgraph"] / v for k, v in mixed.items() if k != "pagedgraph" and
               "pagedgraph" in mixed}
     if "llama.cpp" in single:
         ours = single.get("pagedgraph (beside llama.cpp)", single.get("pagedgraph"))
         ratios["single stream vs llama.cpp"] = ours / single["llama.cpp"] if ours else None
+    for run in ("", " (beside llama.cpp)"):  # ours over each --beside artifact measured in the same run
+        ours = single.get(f"pagedgraph{run}")
+        ratios.update({f"single stream{run} vs {k.removesuffix(run)}": ours / v for k, v in single.items()
+                       if ours and k.startswith("pagedgraph ") and k.endswith(run) and k != f"pagedgraph{run}"
+                       and ("(beside" in k) == bool(run)})
     ratios.update({f"single stream vs {k}": single["pagedgraph"] / v for k, v in single.items()
-                   if k not in ("pagedgraph", "llama.cpp", "pagedgraph (beside llama.cpp)") and "pagedgraph" in single})
+                   if not k.startswith("pagedgraph") and k != "llama.cpp" and "pagedgraph" in single})
     return {"mixed_total_tok_s": mixed, "single_stream_decode_tok_s": single, "ours_over_peer": ratios}
 
 
@@ -196,7 +244,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in results:
         f, c = r["figures"], r["conditions"]
         mixed = f.get("total_tok_s") or f.get("mixed", {}).get("total_tok_s")
-        single = f.get("single_stream_best") or next((o["single_stream_best"] for o in f.get("ours", {}).values()), None)
+        single = f.get("single_stream_best") or " / ".join(
+            f"{k.rsplit('/', 1)[-1]} {o['single_stream_best']:.1f}" for k, o in f.get("ours", {}).items()) or None
         if "decode_tok_s" in f:
             single = " / ".join(f"{k.rsplit('/', 1)[-1]} {v:.1f}" for k, v in f["decode_tok_s"].items())
         lines.append(f"| {r['name']} | {c['status'][:40]} | {f'{mixed:.1f}' if mixed else '-'} | "
@@ -227,6 +276,15 @@ def main() -> None:
     parser.add_argument("--llama-venv", default="/work/peers/llama")
     parser.add_argument("--gguf", type=Path, help="llama.cpp's Q8_0 GGUF of the checkpoint (default: converted)")
     parser.add_argument("--convert-script", help="llama.cpp's convert_hf_to_gguf.py (its sdist's vendor/llama.cpp)")
+    parser.add_argument("--beside", action="append", default=[], type=Path,
+                        help="another artifact of ours measured after ours in the single-stream run (repeatable): "
+                        "the dense model the MoE's active parameters match")
+    parser.add_argument("--quantization", help="override our export config's model.quantization (w8a16, w4a16...)")
+    parser.add_argument("--llama-batch", type=int, help="llama.cpp's prompt batch (peer_llamacpp.py --llama-batch)")
+    parser.add_argument("--convert-rss-gib", type=float, default=16,
+                        help="OpenVINO's conversion is stopped when its processes' RSS passes this")
+    parser.add_argument("--min-available-gib", type=float, default=3,
+                        help="... or when the machine's MemAvailable falls under this")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run; a run past it is recorded so")
     parser.add_argument("--json", type=Path, help="write everything here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
@@ -236,12 +294,14 @@ def main() -> None:
     if unknown:
         parser.error(f"--engines: unknown {sorted(unknown)}; choose among ours, openvino, vllm, llama.cpp")
     args.work.mkdir(parents=True, exist_ok=True)
+    args.failures = {}
     paths = prepare(args, args.work)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = [measure(run, args.threads, args.timeout) for run in runs(args, paths, args.work)]
+    results = [not_run(name, why) for name, why in args.failures.items()]
+    results += [measure(run, args.threads, args.timeout) for run in runs(args, paths, args.work)]
     places = {sys.executable: "python", str(args.work): "WORK", str(args.checkpoint): "CKPT", str(REPO) + "/": "",
               str(Path(args.openvino_venv)): "OV_VENV", str(Path(args.vllm_venv)): "VLLM_VENV",
-              str(Path(args.llama_venv)): "LLAMA_VENV", str(paths["gguf"]): "Q8_0.gguf"}
+              str(Path(args.llama_venv)): "LLAMA_VENV", **{str(b): b.name for b in args.beside}, str(paths["gguf"]): Path(paths["gguf"]).name}
     results = shown(results, places)
     text = table(results)
     print(text)
@@ -251,6 +311,7 @@ def main() -> None:
         "started_utc": started, "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "checkpoint": args.checkpoint.name, "config": str(args.config.relative_to(REPO)) if args.config.is_relative_to(
             REPO) else args.config.name, "threads": args.threads, "requests": args.requests,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "llama_batch": args.llama_batch,
         "single_stream": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rounds": args.rounds},
         "cpu": cpu_flags(), "python": platform.python_version(), "runs": results, "summary": summary(results)})
 

@@ -58,8 +58,9 @@ def make_tiny_hf_checkpoint(
     dtype: str = "float32",
     rope_scaling: dict[str, Any] | None = None,
     shard: bool = False,
-    dims: dict[str, int] | None = None,
+    dims: dict[str, Any] | None = None,
     tokenizer: Tokenizer | None = None,
+    fused_experts: bool = False,
 ) -> Path:
     """Save a 2-layer GQA model of a registered family (`arch`: its name; transformers' class for it is the family's
     first HF class) plus tokenizer files.
@@ -67,8 +68,10 @@ def make_tiny_hf_checkpoint(
     Norm weights and biases are randomised too (HF initialises them to 1 and 0), so a reader
     or graph that drops or swaps them fails a comparison instead of passing by accident.
     `dtype` is a torch dtype name ("float32", "float16", "bfloat16"); `shard=True` splits the
-    weights into many files with a model.safetensors.index.json; `dims` overrides entries of TINY_DIMS;
-    `tokenizer` replaces the tiny one (its ids 0 and 1 become BOS and EOS; the vocabulary size follows it).
+    weights into many files with a model.safetensors.index.json; `dims` overrides entries of TINY_DIMS (and sets a
+    MoE family's fields); `tokenizer` replaces the tiny one (its ids 0 and 1 become BOS and EOS; the vocabulary size
+    follows it); `fused_experts` saves a MoE model's experts stacked as transformers 5 holds them
+    (`save_original_format=False`) rather than one tensor per expert as the released checkpoints do.
     """
     import torch
     import transformers
@@ -103,7 +106,7 @@ def make_tiny_hf_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size="20KB" if shard else "10GB")
+    model.save_pretrained(out, max_shard_size="20KB" if shard else "10GB", save_original_format=not fused_experts)
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=vocabulary, bos_token=vocabulary.id_to_token(BOS_ID), eos_token=vocabulary.id_to_token(EOS_ID),
         chat_template=CHAT_TEMPLATE).save_pretrained(out)

@@ -24,7 +24,7 @@ from .base import Checkpoint, CheckpointError, LazyTensors
 from .gguf_blocks import MAPPED, from_gguf
 from .gguf_tokenizer import eos_token_ids, tokenizer_spec
 from ...graphs import models
-from ...graphs.config import ModelConfig, Pooling
+from ...graphs.config import ModelConfig, MoeConfig, Pooling
 from ...graphs.family import ModelFamily
 from ...graphs.quant import BlockQuantized, Weight
 
@@ -73,10 +73,14 @@ def read_gguf(path: str | Path, keep_blocks: bool = False, pooling: Pooling | No
     config = dataclasses.replace(_model_config(reader, metadata, infos, path, family), pooling=pooling)
     if pooling is not None:
         infos.pop(LM_HEAD, None)
+    if config.moe is not None and not any(w.experts for w in models.weight_table(config).values()):
+        raise CheckpointError(f"{path}: a {family.gguf_architecture} GGUF with {config.moe.num_experts} experts "
+                              f"(Mixtral's GGUFs say llama); the {family.name} family reads no experts from GGUF: "
+                              "export this model from its HF safetensors directory")
     tokenizer = tokenizer_spec(metadata, str(path))  # before the slow part: fail fast on unsupported ones
 
     names = _gguf_names(family, config, path)
-    expected = models.checkpoint_shapes(config)
+    expected = {**models.checkpoint_shapes(config), **models.layout_shapes(config)}
     tensors: dict[str, Callable[[], Weight]] = {}
     for name, info in infos.items():
         hf_name = names.get(name)
@@ -89,9 +93,21 @@ def read_gguf(path: str | Path, keep_blocks: bool = False, pooling: Pooling | No
                                   f"{expected[hf_name]}; the file is corrupt")
         tensors[hf_name] = functools.partial(_read_tensor, reader, info, shape, keep_blocks,
                                              _rope_heads(family, config, hf_name), path)
-    missing = sorted(names[n] for n in set(names) - set(infos))
+    try:  # stacked experts (ffn_*_exps) are read an expert at a time, under the family's per-expert names
+        sliced = models.relayout(config, tensors)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    gguf_of = {hf: gguf for gguf, hf in names.items()}
+    for hf_name, where in sliced.items():
+        info = infos[gguf_of[where.tensor]]
+        shape = (where.rows.stop - where.rows.start, int(info.shape[0]))
+        tensors[hf_name] = functools.partial(_read_tensor, reader, info, shape, keep_blocks, 0, path, where.expert,
+                                             where.rows)
+    wanted = models.checkpoint_shapes(config)
+    missing = sorted(n for n in wanted if n not in tensors)
     if missing:
         raise CheckpointError(f"{path}: missing tensors for {', '.join(missing[:5])}; the file is incomplete")
+    tensors = {name: load for name, load in tensors.items() if name in wanted}
     bundled = path.name == DEFAULT_MODEL_FILE
     return Checkpoint(config=config, tensors=LazyTensors(tensors), tokenizer=tokenizer, source=str(path),
                       generation_defaults=DEFAULT_MODEL_GENERATION if bundled else {},
@@ -99,15 +115,19 @@ def read_gguf(path: str | Path, keep_blocks: bool = False, pooling: Pooling | No
 
 
 def _read_tensor(reader: GGUFReader, info: ReaderTensor, shape: tuple[int, ...], keep_blocks: bool, rope_heads: int,
-                 path: Path) -> Weight:
+                 path: Path, expert: int | None = None, rows: slice | None = None) -> Weight:
     """One tensor from the file's mapping (blocks kept or dequantized; Q/K rope rows un-permuted when `rope_heads`),
-    whose pages are then given back: reading every tensor leaves none of the file resident."""
+    whose pages are then given back: reading every tensor leaves none of the file resident. With `expert`, rows
+    `rows` of that expert of a stacked tensor [E, rows, in] (`shape`: the slice's), read alone."""
     weight: Weight
+    data = np.asarray(info.data)  # quantized types: [..., bytes per row]
+    if expert is not None:
+        data = data[expert, rows]
     try:
         if keep_blocks and info.tensor_type in MAPPED and len(shape) == 2:
-            weight = from_gguf(np.asarray(info.data), info.tensor_type, shape)  # type: ignore[arg-type]
+            weight = from_gguf(data, info.tensor_type, shape)  # type: ignore[arg-type]
         else:
-            weight = _dequantize(info, shape, path)
+            weight = _dequantize(info, data, shape, path)
     finally:
         _release(reader, info)
     if rope_heads:
@@ -144,17 +164,20 @@ def _open(path: Path) -> GGUFReader:
 
 
 def _gguf_names(family: ModelFamily, config: ModelConfig, path: Path) -> dict[str, str]:
-    """GGUF tensor name -> the family's HF name, for every checkpoint tensor of `config`."""
+    """GGUF tensor name -> the family's HF name, for every checkpoint tensor of `config` and of the other layouts
+    (GraphWeight.layouts: llama.cpp stores a MoE layer's experts stacked) that GGUF has a name for."""
     arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == family.gguf_architecture)
     table = TensorNameMap(arch, config.num_layers)
     names = {}
     for spec in models.weight_table(config).values():
-        for source in spec.sources:
-            found = source.gguf or table.get_name(source.name, try_suffixes=(".weight", ".bias"))
-            if found is None:
-                raise CheckpointError(f"{path}: gguf {family.gguf_architecture!r} has no name for {source.name}; "
-                                      "declare it in the family's Source(gguf=...) (graphs/models)")
-            names[found] = source.name
+        for layout in (spec.sources, *spec.layouts):
+            for source in layout:
+                found = source.gguf or table.get_name(source.name, try_suffixes=(".weight", ".bias"))
+                if found is not None:
+                    names[found] = source.name
+                elif not spec.layouts:
+                    raise CheckpointError(f"{path}: gguf {family.gguf_architecture!r} has no name for {source.name}; "
+                                          "declare it in the family's Source(gguf=...) (graphs/models)")
     return names
 
 
@@ -194,13 +217,20 @@ def _model_config(reader: GGUFReader, metadata: Mapping[str, Any], infos: Mappin
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise CheckpointError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count < head dim) are not supported")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
+    layers = int(get("block_count"))
+    moe = None
+    if f"{arch}.expert_count" in metadata:  # llama.cpp's MoE keys; every layer sparse (as llama.cpp builds qwen3moe)
+        # llama.cpp renormalizes qwen3moe's top-k weights always (expert_weights_norm where a converter writes it)
+        moe = MoeConfig(int(get("expert_count")), int(get("expert_used_count")),
+                        int(get("expert_feed_forward_length")), bool(get("expert_weights_norm", True)),
+                        tuple(range(layers)))
     try:
         return ModelConfig(
             architecture=family.name,
             vocab_size=vocab_size,
             hidden_size=int(get("embedding_length")),
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
             head_dim=head_dim,
@@ -211,15 +241,16 @@ def _model_config(reader: GGUFReader, metadata: Mapping[str, Any], infos: Mappin
             attention_bias="blk.0.attn_q.bias" in infos,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_token_ids(metadata),
+            moe=moe,
         )
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def _dequantize(info: ReaderTensor, shape: tuple[int, ...], path: Path) -> np.ndarray:
+def _dequantize(info: ReaderTensor, data: np.ndarray, shape: tuple[int, ...], path: Path) -> np.ndarray:
     try:
         # a plain ndarray view: slicing np.memmap objects costs more than the dequantizing itself
-        weight = dequantize(np.asarray(info.data), info.tensor_type)
+        weight = dequantize(data, info.tensor_type)
     except NotImplementedError as err:
         raise CheckpointError(
             f"{path}: tensor {info.name!r} is {info.tensor_type.name}, which this gguf package cannot dequantize "

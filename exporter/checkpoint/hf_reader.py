@@ -23,6 +23,7 @@ from .base import Checkpoint, CheckpointError, LazyTensors, TokenizerSpec
 from .hf_quantized import PackedFormat, packed_format
 from ...graphs import models
 from ...graphs.config import ModelConfig, Pooling
+from ...graphs.models import hf_config
 from ...graphs.quant import Weight
 
 # Buffers some exporters saved alongside the weights; recomputed from rope_theta by the graph.
@@ -103,6 +104,11 @@ def _model_config(hf: dict[str, Any]) -> ModelConfig:
     try:
         family = models.for_hf_classes(hf.get("architectures") or [])
         return family.config(hf)
+    except models.UnknownArchitecture as exc:
+        missing = hf_config.moe_variants(hf)  # a MoE model beyond routed experts: say what it needs
+        raise CheckpointError(f"config.json: {exc}" + (f"; this Mixture-of-Experts model needs what the graphs do "
+                                                       f"not implement: {'; '.join(missing)}" if missing else "")
+                              ) from exc
     except ValueError as exc:
         raise CheckpointError(f"config.json: {exc}") from exc
 
@@ -233,13 +239,25 @@ def _header(path: Path) -> tuple[int, dict[str, Any]]:
         return 8 + size, json.loads(f.read(size))
 
 
-def _read_tensor(path: Path, begin: int, entry: dict[str, Any]) -> np.ndarray:
+def _read_tensor(path: Path, begin: int, entry: dict[str, Any], expert: int | None = None,
+                 rows: slice | None = None) -> np.ndarray:
     """One tensor, read into a buffer of its own: float tensors as float32, integer ones (GPTQ/AWQ parts) as they
     are. numpy has no bfloat16: bf16 is the top half of a float32, so its bits widen by << 16. Nothing of the file
     stays mapped or cached here, so reading a whole checkpoint holds one tensor at a time (plain reads: faulting a
-    mapping in page by page took twice as long here, docs/performance.md)."""
+    mapping in page by page took twice as long here, docs/performance.md).
+
+    `rows` (of expert `expert`, where the tensor is a stack [E, rows, in]): only those consecutive rows, one
+    expert's part of a stacked tensor (graphs/family.py, GraphWeight.layouts), read alone."""
     start, end = entry["data_offsets"]
-    raw = np.empty(tuple(entry["shape"]), _NUMPY_DTYPES[entry["dtype"]])
+    shape = tuple(entry["shape"])
+    itemsize = np.dtype(_NUMPY_DTYPES[entry["dtype"]]).itemsize
+    if rows is not None:
+        row_shape = shape[2:] if expert is not None else shape[1:]
+        row_bytes = itemsize * int(np.prod(row_shape, dtype=np.int64))
+        first = rows.start + (0 if expert is None else expert * shape[1])
+        start, end = start + first * row_bytes, start + (first + rows.stop - rows.start) * row_bytes
+        shape = (rows.stop - rows.start, *row_shape)
+    raw = np.empty(shape, _NUMPY_DTYPES[entry["dtype"]])
     view = memoryview(raw.reshape(-1)).cast("B")
     with path.open("rb", buffering=0) as f:
         f.seek(begin + start)
@@ -259,7 +277,7 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
 
     With a `packed` format, a linear `X.weight` may instead be stored as its `X.qweight`, `X.qzeros`, `X.scales`
     (GPTQ: `X.g_idx`): it becomes a `BlockQuantized` of the checkpoint's own codes (hf_quantized.py)."""
-    expected = models.checkpoint_shapes(config)
+    expected, layouts = models.checkpoint_shapes(config), models.layout_shapes(config)
     plan: dict[Path, dict[str, str]] = {}  # file -> {tensor name: safetensors dtype}
     stored: dict[str, set[str]] = {}  # packed linear's canonical name -> the parts found
     unexpected: list[str] = []
@@ -283,8 +301,8 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
                     part = packed.parts(*expected[linear])[suffix]
                     _check_tensor(path, name, shape, dtype, part.shape, part.dtypes, packed.method)
                     stored.setdefault(linear, set()).add(suffix)
-                elif name in expected:
-                    _check_tensor(path, name, shape, dtype, expected[name], _FLOAT_DTYPES, None)
+                elif name in expected or name in layouts:
+                    _check_tensor(path, name, shape, dtype, expected.get(name) or layouts[name], _FLOAT_DTYPES, None)
                 else:
                     unexpected.append(name)
                     continue
@@ -296,7 +314,15 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
             "(adapters, quantization or a different architecture?)"
         )
     found = {name for names in plan.values() for name in names}
-    missing = [name for name in expected if name not in found and name not in stored]
+    try:
+        sliced = models.relayout(config, found)  # experts stored stacked, a router under another name
+    except ValueError as exc:
+        raise CheckpointError(f"{root}: {exc}") from exc
+    unused = sorted(name for name in found if name in layouts and not any(s.tensor == name for s in sliced.values()))
+    if unused:
+        raise CheckpointError(f"{root}: {_first(unused)} hold only part of a layout {config.architecture} reads; "
+                              "the weights are incomplete or mix layouts: re-download them")
+    missing = [name for name in expected if name not in found and name not in stored and name not in sliced]
     if packed is not None:
         missing += [f"{linear[:-len('weight')]}{part}" for linear, parts in stored.items()
                     for part in packed.required if part not in parts]
@@ -322,6 +348,8 @@ def _read_tensors(root: Path, config: ModelConfig, packed: PackedFormat | None) 
         located |= {name: (path, begin, header[in_file.get(name, name)]) for name in names}
     loaders: dict[str, Callable[[], Weight]] = {name: functools.partial(_read_tensor, *located[name])
                                                 for name in expected if name in located}
+    loaders |= {name: functools.partial(_read_tensor, *located[where.tensor], where.expert, where.rows)
+                for name, where in sliced.items()}
     for linear in stored if packed is not None else ():
         base = linear[:-len("weight")]
         parts = {suffix: located[base + suffix] for suffix in packed.suffixes if base + suffix in located}

@@ -16,7 +16,8 @@ from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 from mindspore.ops import auto_generate as prims
 
-from .common_ops import COMMON, Body
+from . import ascend_moe
+from .common_ops import COMMON, Body, antiquant_offset
 from ...artifact.mindir import numpy_dtype
 from ...graphs.ops.linear_w8a8_static import mindie_tensors
 from ...graphs.quant import Int8PerChannel, from_graph
@@ -258,7 +259,7 @@ class LinearBlockQuantized(Body):
 
     def construct(self, x, codes, scales, zero_points, minimum_t, bias):
         minimum = None if minimum_t is None else ops.transpose(minimum_t, (1, 0))
-        return self.matmul(x, codes, scales, _antiquant_offset(zero_points, minimum, scales), None, None, bias)
+        return self.matmul(x, codes, scales, antiquant_offset(zero_points, minimum, scales), None, None, bias)
 
 
 class GatherBlockQuantized(Body):
@@ -272,20 +273,11 @@ class GatherBlockQuantized(Body):
         rows = ops.cast(ops.gather(codes, indices, 0), self.dtype)
         tokens, width = rows.shape
         blocks = (tokens, width // self.block_size, self.block_size)
-        offset = _antiquant_offset(zero_points, minimum, scales)
+        offset = antiquant_offset(zero_points, minimum, scales)
         if offset is not None:
             rows = ops.reshape(rows, blocks) + ops.expand_dims(ops.gather(offset, indices, 0), -1)
         out = ops.reshape(rows, blocks) * ops.expand_dims(ops.gather(scales, indices, 0), -1)
         return ops.reshape(out, (tokens, width))
-
-
-def _antiquant_offset(zero_points, minimum, scales):
-    """WeightQuantBatchMatmul's additive offset on the signed codes: the zero point's, plus minimum / scale."""
-    if minimum is None:
-        return zero_points
-    if zero_points is None:
-        return minimum / scales
-    return zero_points + minimum / scales
 
 
 def ascend_block_arrays(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
@@ -328,13 +320,17 @@ MINDSPORE_ASCEND: Lowering[Any] = Lowering(
      op_set.RESHAPE_AND_CACHE_INT8: ReshapeAndCacheInt8, op_set.PAGED_ATTENTION_INT8: PagedAttentionInt8,
      op_set.SELF_ATTENTION: SelfAttention, op_set.LINEAR_W8A8_STATIC: LinearW8A8Static,
      op_set.LINEAR_BLOCK_QUANTIZED: LinearBlockQuantized, op_set.GATHER_BLOCK_QUANTIZED: GatherBlockQuantized,
-     op_set.ALL_REDUCE: AllReduce})
+     op_set.ALL_REDUCE: AllReduce, op_set.MOE_GATING_TOP_K_SOFTMAX: ascend_moe.MoeGatingTopKSoftmax,
+     op_set.MOE_INIT_ROUTING: ascend_moe.MoeInitRouting, op_set.GROUPED_MATMUL: ascend_moe.GroupedMatmul,
+     op_set.GROUPED_MATMUL_BLOCK_QUANTIZED: ascend_moe.GroupedMatmulBlockQuantized,
+     op_set.MOE_TOKEN_UNPERMUTE: ascend_moe.MoeTokenUnpermute})
 MINDSPORE_ASCEND.refuse(op_set.BLOCK_MINIMUM, "the Ascend Linear.block_quantized body takes a minimum into "
                                              "WeightQuantBatchMatmul's antiquant offset; BlockMinimum is the ONNX "
                                              "body's exact term")
 for _op in (op_set.LINEAR_W8A8, op_set.DYNAMIC_QUANT):
     MINDSPORE_ASCEND.refuse(_op, "per-token dynamic activations are the CPU form; Ascend's W8A8 is "
                                  "Linear.w8a8_static (MindIE's format, QuantBatchMatmul)")
-for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
+for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16, op_set.GROUPED_MATMUL_BF16):
     MINDSPORE_ASCEND.refuse(_op, "not needed: the Ascend MINDIR casts its float weights to the compute dtype and "
-                                 "runs Linear (MatMul takes bfloat16 natively); Linear.bfloat16 is the ONNX CPU form")
+                                 "runs the float op (MatMul and GroupedMatmul take bfloat16 natively); the "
+                                 ".bfloat16 variants are the ONNX CPU form")

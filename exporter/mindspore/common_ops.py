@@ -58,5 +58,15 @@ class SegmentSum(Body):
         return ops.matmul(ops.cast(owned, mstype.float32), ops.cast(x, mstype.float32))
 
 
+def antiquant_offset(zero_points, minimum, scales):
+    """The additive offset on signed codes of an Ascend weight-quantized matmul (WeightQuantBatchMatmul,
+    GroupedMatmulV4's antiquant): the zero point's, plus minimum / scale; None where the form has neither."""
+    if minimum is None:
+        return zero_points
+    if zero_points is None:
+        return minimum / scales
+    return zero_points + minimum / scales
+
+
 COMMON = {op_set.GATHER: Gather, op_set.ADD: Add, op_set.SPLIT: Split, op_set.LINEAR: Linear,
           op_set.SEGMENT_SUM: SegmentSum}

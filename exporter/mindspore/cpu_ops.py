@@ -14,6 +14,7 @@ import numpy as np
 from mindspore import Tensor, ops
 from mindspore import dtype as mstype
 
+from . import cpu_moe
 from .common_ops import COMMON, Body
 from ...graphs import ops as op_set
 from ...graphs.ops.op import Lowering
@@ -130,8 +131,11 @@ MINDSPORE_CPU: Lowering[Any] = Lowering(
     {**COMMON, op_set.RMS_NORM: RmsNorm, op_set.RMS_NORM_HEADS: RmsNormHeads, op_set.ADD_RMS_NORM: AddRmsNorm,
      op_set.ROPE: Rope,
      op_set.SWIGLU: SwiGLU, op_set.RESHAPE_AND_CACHE: ReshapeAndCache, op_set.PAGED_ATTENTION: PagedAttention,
-     op_set.SELF_ATTENTION: SelfAttention})
-for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set.BLOCK_MINIMUM):
+     op_set.SELF_ATTENTION: SelfAttention, op_set.MOE_GATING_TOP_K_SOFTMAX: cpu_moe.MoeGatingTopKSoftmax,
+     op_set.MOE_INIT_ROUTING: cpu_moe.MoeInitRouting, op_set.GROUPED_MATMUL: cpu_moe.GroupedMatmul,
+     op_set.MOE_TOKEN_UNPERMUTE: cpu_moe.MoeTokenUnpermute})
+for _op in (op_set.LINEAR_BLOCK_QUANTIZED, op_set.GATHER_BLOCK_QUANTIZED, op_set.BLOCK_MINIMUM,
+            op_set.GROUPED_MATMUL_BLOCK_QUANTIZED):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no 4/8-bit weight matmul kernel; quantized artifacts are ONNX only "
                               "(export refuses mindir with a quantization)")
 MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend only; the CPU graphs use "
@@ -139,7 +143,7 @@ MINDSPORE_CPU.refuse(op_set.LINEAR_W8A8_STATIC, "QuantBatchMatmul runs on Ascend
 for _op in (op_set.LINEAR_W8A8, op_set.DYNAMIC_QUANT):
     MINDSPORE_CPU.refuse(_op, "MindSpore CPU has no int8 x int8 matmul kernel (QuantBatchMatmul is Ascend only); w8a8 "
                               "artifacts are ONNX only (export refuses mindir with a quantization)")
-for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16):
+for _op in (op_set.LINEAR_BF16, op_set.GATHER_BF16, op_set.GROUPED_MATMUL_BF16):
     MINDSPORE_CPU.refuse(_op, "the MindSpore CPU graphs compute float32 (cpu_kernels/mindspore_aot.cc); bfloat16 compute "
                               "on CPU is the ONNX graphs' (oneDNN); export refuses mindir with model.dtype bfloat16")
 for _write, _attend in (op_set.KV_CACHE_OPS[d] for d in ("bfloat16", "float16", "int8")):

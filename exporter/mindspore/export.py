@@ -30,7 +30,8 @@ from ...graphs import models
 from ...graphs.config import ModelConfig
 from ...graphs.contract import DECODE, Gear
 from ...graphs.family import GraphOptions
-from ...graphs.quant import BlockQuantized, Int8PerChannel, Weight, graph_arrays, graph_parts, w8a8_static_parts
+from ...graphs.quant import (BlockQuantized, ExpertStack, Int8PerChannel, Weight, graph_arrays, graph_parts,
+                             stacked_graph_arrays, w8a8_static_parts)
 from ...graphs.tensor_parallel import RankShard, rank_config
 from ...graphs.weight_forms import WeightForms
 from ..tensor_parallel import ShardedWeights
@@ -122,7 +123,8 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     (out / directory).mkdir(parents=True, exist_ok=True)
     int4: set[str] = set()
     with stage_bar(log, len(graph_weights), "mindir weights", "tensor", unit_scale=False) as bar:
-        entries = write_weights(out / weights_file, _target_arrays(graph_weights, dtype, w8a8_inputs or {}, int4, bar))
+        entries = write_weights(out / weights_file, _target_arrays(graph_weights, target, dtype, w8a8_inputs or {}, int4,
+                                                                   bar))
     del graph_weights
     entries.update({name: dataclasses.replace(entries[name], dtype=INT4X2) for name in int4})
     if "int8" in caches:
@@ -174,19 +176,23 @@ def write_mindir(checkpoint: Checkpoint, gears: dict[str, tuple[Gear, ...]], max
     return index
 
 
-def _target_arrays(weights: Mapping[str, Weight], dtype: str, w8a8_inputs: dict[str, tuple[float, int]],
-                   int4: set[str], bar: Any) -> Iterator[tuple[str, np.ndarray]]:
+def _target_arrays(weights: Mapping[str, Weight], target: str, dtype: str,
+                   w8a8_inputs: dict[str, tuple[float, int]], int4: set[str], bar: Any) -> Iterator[tuple[str, np.ndarray]]:
     """The graph's parameters in the compute dtype, one weight at a time (each is converted, yielded to the
     writer and dropped); a block-quantized weight (Ascend w8a16) as the parts its Ascend bodies take
     (ascend_ops.ascend_block_arrays), an int8 one (Ascend w8a8) as MindIE's W8A8 tensors, under graphs/quant.py's
-    names. The names of int4 codes (packed, qint4x2) are added to `int4`; `bar` counts the weights done."""
+    names; on Ascend a stack of experts in GroupedMatmulV4's layout [E, K, N] (ascend_moe). The names of int4 codes
+    (packed, qint4x2) are added to `int4`; `bar` counts the weights done."""
     for name, w in weights.items():
-        yield from _target_parts(name, w, dtype, w8a8_inputs, int4)
+        yield from _target_parts(name, w, target, dtype, w8a8_inputs, int4)
         bar.update()
 
 
-def _target_parts(name: str, w: Weight, dtype: str, w8a8_inputs: dict[str, tuple[float, int]],
+def _target_parts(name: str, w: Weight, target: str, dtype: str, w8a8_inputs: dict[str, tuple[float, int]],
                   int4: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+    if target == "ascend" and (isinstance(w, ExpertStack) or np.ndim(w) == 3):
+        yield from _ascend_experts(name, w, dtype, int4)
+        return
     if isinstance(w, Int8PerChannel):
         from .ascend_ops import w8a8_static_arrays
 
@@ -205,6 +211,23 @@ def _target_parts(name: str, w: Weight, dtype: str, w8a8_inputs: dict[str, tuple
     parts = ascend_block_arrays(*(None if n is None else arrays[n] for n in names), w.bits, w.block_size, dtype)
     if w.bits == 4:
         int4.add(names[0])
+    yield from ((n, part) for n, part in zip(names, parts) if n is not None and part is not None)
+
+
+def _ascend_experts(name: str, w: Weight, dtype: str, int4: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """A stack of experts [E, N, K] as the Ascend GroupedMatmul bodies read it (exporter/mindspore/ascend_moe.py):
+    float experts [E, K, N] in the compute dtype, quantized ones as GroupedMatmulV4's antiquant parts."""
+    from .ascend_moe import ascend_expert_arrays, ascend_expert_block_arrays
+
+    if not isinstance(w, ExpertStack):
+        yield name, ascend_expert_arrays(np.asarray(w), numpy_dtype(dtype))
+        return
+    form = w.form
+    names, arrays = graph_parts(name, form), stacked_graph_arrays(name, w)
+    parts = ascend_expert_block_arrays(*(None if n is None else arrays[n] for n in names), form.bits,
+                                       form.block_size, numpy_dtype(dtype))
+    if form.bits == 4:
+        int4.add(names[0])  # type: ignore[arg-type]
     yield from ((n, part) for n, part in zip(names, parts) if n is not None and part is not None)
 
 

@@ -5,7 +5,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .lowering import ONNX, OnnxBody, OnnxGraph
 from ...graphs import contract as c
@@ -115,3 +115,41 @@ def op_model(op: Op, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, An
     outs = [helper.make_tensor_value_info(o, onnx_type(t.dtypes[0]), [f"{o}_{i}" for i in range(len(t.shape))])
             for o, t in zip(out_names, specs)]
     return make_model(helper.make_graph(builder.n.nodes, op.key, infos, outs), builder)
+
+
+class FragmentBuilder(OnnxGraph):
+    """A fragment of a model definition (one FFN, one layer) as a standalone ONNX model, for tests and
+    microbenchmarks: float32 inputs [rows, width] of symbolic rows, the weights inline as initializers, or with
+    `inline` False as graph inputs of their shapes (a caller binds them with SessionOptions.add_initializer:
+    weights larger than protobuf's 2 GiB, one copy shared by several sessions)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], inline: bool = True) -> None:
+        super().__init__()
+        self._weights, self._inline = weights, inline
+        self.inputs: dict[str, onnx.ValueInfoProto] = {}
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self.outputs: list[onnx.ValueInfoProto] = []
+
+    def emit(self, op: Op, *inputs: str | None, **attrs: Any) -> Any:
+        return ONNX.emit(self, op, inputs, attrs)
+
+    def input(self, name: str) -> str:
+        self.inputs.setdefault(name, helper.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}_rows", None]))
+        return name
+
+    def weight(self, name: str) -> str:
+        w = self._weights[name]
+        if self._inline and name not in self.initializers:
+            self.initializers[name] = numpy_helper.from_array(w, name)
+        elif not self._inline:
+            self.inputs.setdefault(name, helper.make_tensor_value_info(name, onnx_type(w.dtype), list(w.shape)))
+        return name
+
+    def output(self, name: str, value: str) -> None:
+        self.n.rename(value, name)
+        self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+
+    def model(self, name: str) -> onnx.ModelProto:
+        graph = helper.make_graph(self.n.nodes, name, list(self.inputs.values()), self.outputs,
+                                  list(self.initializers.values()))
+        return make_model(graph, self)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from onnx import FunctionProto, TensorProto, helper
 
-from . import attention, quantized
+from . import attention, moe, quantized
 from .kv_cache import to_cache
 from .nodes import OPSET, Nodes
 from ...graphs import ops
@@ -49,18 +49,23 @@ class Function:
 
     op: Op
     body: Callable[[Nodes], list[str]]
+    name: str = ""  # the node's and function's name where it is not the op's (GroupedMatmulNBits)
+
+    @property
+    def node_name(self) -> str:
+        return self.name or self.op.name
 
     def proto(self) -> FunctionProto:
         n = Nodes(prefix="")
         for result, out in zip(self.body(n), self.op.outputs):
             n.rename(result, out.name)  # no trailing Identity: a pool write must stay the op that outputs it
-        return helper.make_function(ops.OP_SET_DOMAIN, self.op.name, [t.name for t in self.op.inputs],
+        return helper.make_function(ops.OP_SET_DOMAIN, self.node_name, [t.name for t in self.op.inputs],
                                     [t.name for t in self.op.outputs], n.nodes, [helper.make_opsetid("", OPSET)],
                                     attributes=list(self.op.attribute_names))
 
     def __call__(self, g: OnnxGraph, inputs: Sequence[str], attrs: Attributes) -> list[str]:
         g.use_function(self)
-        out = g.n.op(self.op.name, *inputs, outputs=len(self.op.outputs), domain=ops.OP_SET_DOMAIN,
+        out = g.n.op(self.node_name, *inputs, outputs=len(self.op.outputs), domain=ops.OP_SET_DOMAIN,
                      **dataclasses.asdict(attrs))
         return [out] if isinstance(out, str) else out
 
@@ -177,10 +182,16 @@ _FUNCTIONS: dict[Op, Callable[[Nodes], list[str]]] = {
     ops.LINEAR_BF16: _linear_bf16_body,
     ops.RMS_NORM: _rms_norm, ops.RMS_NORM_HEADS: _rms_norm_heads, ops.ROPE: _rope, ops.SWIGLU: _swiglu,
     ops.SELF_ATTENTION: attention.self_attention,
+    ops.MOE_GATING_TOP_K_SOFTMAX: moe.moe_gating_top_k_softmax, ops.MOE_INIT_ROUTING: moe.moe_init_routing,
+    ops.GROUPED_MATMUL: moe.grouped_matmul, ops.GROUPED_MATMUL_BF16: moe.grouped_matmul_bf16,
+    ops.MOE_TOKEN_UNPERMUTE: moe.moe_token_unpermute,
     **{write: _reshape_and_cache_for(dtype) for dtype, (write, _) in ops.KV_CACHE_OPS.items()},
     **{attend: attention.paged_attention_for(dtype) for dtype, (_, attend) in ops.KV_CACHE_OPS.items()},
 }
 _FUNCTION_BODIES = {op: Function(op, body) for op, body in _FUNCTIONS.items()}
+# GroupedMatmul.block_quantized's core once every part is present (exporter/onnx/moe.py): its own name, as the
+# float GroupedMatmul's function may sit in the same model
+GROUPED_MATMUL_NBITS = Function(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, moe.grouped_matmul_nbits, "GroupedMatmulNBits")
 ONNX: Lowering[OnnxBody] = Lowering(
     "onnx", "exporter/onnx/lowering.py (attention: exporter/onnx/attention.py)",
     {ops.GATHER: _gather, ops.ADD: _add, ops.ADD_RMS_NORM: _add_rms_norm, ops.SPLIT: _split, ops.LINEAR: _linear,
@@ -189,6 +200,7 @@ ONNX: Lowering[OnnxBody] = Lowering(
      ops.GATHER_BLOCK_QUANTIZED: quantized.gather_block_quantized,
      ops.LINEAR_W8A8: partial(quantized.linear_w8a8, dynamic_quant=_FUNCTION_BODIES[ops.DYNAMIC_QUANT]),
      ops.GATHER_BF16: _gather_bf16, ops.ALL_REDUCE: _all_reduce, ops.SEGMENT_SUM: _segment_sum,
+     ops.GROUPED_MATMUL_BLOCK_QUANTIZED: partial(moe.grouped_matmul_block_quantized, nbits=GROUPED_MATMUL_NBITS),
      **_FUNCTION_BODIES})
 ONNX.refuse(ops.LINEAR_W8A8_STATIC, "MindIE's static W8A8 format is the Ascend form (QuantBatchMatmul); the ONNX "
                                     "graphs quantize activations per token (Linear.w8a8)")

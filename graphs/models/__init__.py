@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from ..config import ModelConfig
-from ..family import GraphOptions, GraphWeight, ModelFamily
+from ..family import GraphOptions, GraphWeight, ModelFamily, SourceSlice, layout_slices
 from ..ops.op import OpBuilder
 from ..quant import Weight
 from ..weights import GraphWeights
@@ -72,6 +72,27 @@ def weight_table(config: ModelConfig) -> dict[str, GraphWeight]:
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor `config`'s family reads, under its Hugging Face name, with its shape."""
     return {s.name: s.shape for w in weight_table(config).values() for s in w.sources}
+
+
+def layout_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the other layouts `config`'s family accepts (GraphWeight.layouts), with its shape."""
+    return {t.name: t.shape for w in weight_table(config).values() for layout in w.layouts for t in layout}
+
+
+def relayout(config: ModelConfig, found: Collection[str]) -> dict[str, SourceSlice]:
+    """Where each checkpoint tensor lies in a checkpoint holding another layout of its weight (`found`: the names
+    it holds): the sources of every weight whose own tensors are absent and one of whose layouts is whole, as slices
+    of that layout's tensors. A ValueError names a weight stored in two layouts at once."""
+    slices: dict[str, SourceSlice] = {}
+    for w in weight_table(config).values():
+        whole = [layout for layout in w.layouts if all(t.name in found for t in layout)]
+        own = [s.name for s in w.sources if s.name in found]
+        if whole and own:
+            raise ValueError(f"{w.name} is stored twice: as {own[0]} ... and as {', '.join(t.name for t in whole[0])}; "
+                             "keep one of them")
+        if whole:
+            slices.update(layout_slices(w, whole[0]))
+    return slices
 
 
 def source_weights(config: ModelConfig) -> dict[str, GraphWeight]:

@@ -91,3 +91,37 @@ def decoder_config(hf: Mapping[str, Any], architecture: str, attention_bias: boo
         max_position_embeddings=int_field(hf, "max_position_embeddings"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=attention_bias,
         rope_scaling=scaling)
+
+
+def moe_variants(hf: Mapping[str, Any]) -> list[str]:
+    """What a Mixture-of-Experts config.json asks beyond routed top-k experts (graphs/moe.py), each naming the
+    fields and what the graphs would need: shared experts, DeepSeek's grouped routing, an expert score bias, other
+    scoring. Empty for Qwen3-MoE and Mixtral."""
+    missing = []
+    shared = [f"{k}={hf[k]}" for k in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+              if hf.get(k)]
+    if shared:
+        missing.append(f"shared experts ({', '.join(shared)}: Qwen2-MoE / DeepSeek's always-on expert beside the "
+                       "routed ones; missing: a dense SwiGLU per sparse layer added to the routed output, with "
+                       "Qwen2-MoE's sigmoid gate)")
+    grouped = [f"{k}={hf[k]}" for k in ("n_group", "topk_group") if (hf.get(k) or 1) > 1]
+    if grouped:
+        missing.append(f"DeepSeek's grouped routing ({', '.join(grouped)}: the top-k chosen within the best expert "
+                       "groups; missing: group selection before MoeGatingTopKSoftmax, Ascend's MoeGatingTopK)")
+    if hf.get("topk_method") == "noaux_tc" or hf.get("moe_router_enable_expert_bias"):
+        missing.append("an expert score bias (topk_method=noaux_tc: e_score_correction_bias added to the scores "
+                       "that pick the experts, not to their weights; missing: a bias input of the gating op)")
+    scoring = hf.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        missing.append(f"scoring_func={scoring!r} (missing: {scoring} gating; MoeGatingTopKSoftmax is softmax)")
+    scale = hf.get("routed_scaling_factor", 1.0)
+    if scale != 1.0:
+        missing.append(f"routed_scaling_factor={scale} (missing: the routed output's scale)")
+    return missing
+
+
+def refuse_moe_variants(hf: Mapping[str, Any]) -> None:
+    missing = moe_variants(hf)
+    if missing:
+        raise ConfigError("this Mixture-of-Experts model needs what the graphs do not implement (routed top-k "
+                          "experts only): " + "; ".join(missing))

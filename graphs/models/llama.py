@@ -11,13 +11,23 @@ from . import hf_config
 
 def layer(config: ModelConfig, i: int) -> list[GraphWeight]:
     """Layer i's weights under transformers' LlamaDecoderLayer names (Mistral, Qwen2 and Qwen3 share them)."""
+    return attention(config, i) + mlp(config, i)
+
+
+def attention(config: ModelConfig, i: int) -> list[GraphWeight]:
+    """Layer i's attention and its two norms (the MoE families' too)."""
     p = f"model.layers.{i}."
     return [decoder.qkv(config, i, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]),
             decoder.o_proj(config, i, p + "self_attn.o_proj.weight"),
             decoder.norm(f"layers.{i}.input_norm", p + "input_layernorm.weight", config.hidden_size),
-            decoder.norm(f"layers.{i}.post_norm", p + "post_attention_layernorm.weight", config.hidden_size),
-            decoder.gate_up(config, i, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            decoder.down(config, i, p + "mlp.down_proj.weight")]
+            decoder.norm(f"layers.{i}.post_norm", p + "post_attention_layernorm.weight", config.hidden_size)]
+
+
+def mlp(config: ModelConfig, i: int) -> list[GraphWeight]:
+    """Layer i's dense SwiGLU MLP (Qwen3-MoE's dense layers too)."""
+    p = f"model.layers.{i}.mlp."
+    return [decoder.gate_up(config, i, [p + "gate_proj.weight", p + "up_proj.weight"]),
+            decoder.down(config, i, p + "down_proj.weight")]
 
 
 def weights(config: ModelConfig) -> list[GraphWeight]:

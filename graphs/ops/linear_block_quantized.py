@@ -54,7 +54,7 @@ def gather_block_quantized(codes: np.ndarray, scales: np.ndarray, zero_points: n
     return picked.dequantize()
 
 
-def _forms() -> Iterator[tuple[str, BlockQuantized]]:
+def example_forms() -> Iterator[tuple[str, BlockQuantized]]:
     """The forms the exporter writes, with random codes: GGUF Q4_0 (zero point 8), Q4_1 / RTN int4 (zero point 0
     plus a float16 minimum), Q4_K (a float32 minimum), Q8_0 and RTN int8 (zero point 128), int4 with a zero point per
     group, and 8-bit zero points."""
@@ -85,7 +85,7 @@ def _linear_inputs(w: BlockQuantized) -> tuple[np.ndarray | None, ...]:
 def _linear_examples() -> Iterator[Example]:
     rng = np.random.default_rng(1)
     x = normal(rng, 5, 128)
-    for label, w in _forms():
+    for label, w in example_forms():
         bias = normal(rng, w.shape[0])
         attrs = dict(K=w.shape[1], N=w.shape[0], bits=w.bits, block_size=w.block_size)
         scale = float(np.abs(x @ w.dequantize().T).max())
@@ -98,7 +98,7 @@ def _linear_examples() -> Iterator[Example]:
 
 def _gather_examples() -> Iterator[Example]:
     indices = np.array([3, 0, 39, 3], np.int64)
-    for label, w in _forms():
+    for label, w in example_forms():
         arrays = graph_arrays("w", w, gathered=True)
         zero_points = arrays.get("w.zero_point_rows", arrays.get("w.zero_points"))
         yield Example((arrays["w.codes"], arrays["w.scales"], zero_points, arrays.get("w.minimum"), indices),

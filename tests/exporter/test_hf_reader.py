@@ -221,7 +221,7 @@ ERROR_CASES: list[tuple[str, str, Callable[[Path], None], list[str]]] = [
         "llama_tied",
         _config(architectures=["GPT2LMHeadModel"]),
         ["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "registered families: llama"],
+         "Qwen3MoeForCausalLM", "MixtralForCausalLM", "registered families: llama"],
     ),
     ("missing_field", "llama_tied", _config(hidden_size=None), ["'hidden_size'"]),
     ("missing_tensor", "llama_tied", _drop_tensor, ["model.layers.1.mlp.up_proj.weight", "missing"]),

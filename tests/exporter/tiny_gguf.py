@@ -84,3 +84,75 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return hf
+
+
+def write_qwen3_moe_gguf(hf_dir: Path, path: Path, expert_type: GGMLQuantizationType,
+                         router_type: GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """The tiny Qwen3-MoE checkpoint in `hf_dir` (tests/tiny_models.py, experts one tensor each) written as llama.cpp's
+    converter writes a `qwen3moe` GGUF: each layer's experts stacked into ffn_{gate,up,down}_exps ([E, rows, in]) in
+    `expert_type` blocks, the routers in `router_type` blocks (float32 as the converter keeps them when None),
+    everything else float32, the BPE tokenizer's vocabulary and merges. Returns the HF tensors as the file holds them
+    (`gguf.quants.dequantize`'s values), to load into the HF model."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    arch, layers = "qwen3moe", config["num_hidden_layers"]
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in (("block_count", layers), ("context_length", config["max_position_embeddings"]),
+                       ("embedding_length", config["hidden_size"]), ("feed_forward_length", config["intermediate_size"]),
+                       ("attention.head_count", config["num_attention_heads"]),
+                       ("attention.head_count_kv", config["num_key_value_heads"]),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                       ("expert_count", experts), ("expert_used_count", config["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", config["moe_intermediate_size"])):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", config["rope_parameters"]["rope_theta"])
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    special = {t["id"] for t in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_token_types([3 if i in special else 1 for _, i in vocab])
+    writer.add_eos_token_id(config["eos_token_id"])
+    held: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, qtype: GGMLQuantizationType | None = None) -> None:
+        values = tensors[hf_name].astype(np.float32)
+        if qtype is None:
+            writer.add_tensor(gguf_name, values)
+            held[hf_name] = values
+            return
+        raw = quantize(values, qtype)
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        held[hf_name] = dequantize(raw, qtype).reshape(values.shape)
+
+    add("token_embd.weight", "model.embed_tokens.weight")
+    add("output_norm.weight", "model.norm.weight")
+    if "lm_head.weight" in tensors:
+        add("output.weight", "lm_head.weight")
+    own = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+           "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        for part, name in own.items():
+            add(f"blk.{layer}.{part}.weight", f"{p}{name}.weight", router_type if part == "ffn_gate_inp" else None)
+        for part, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            names = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(experts)]
+            raw = quantize(np.stack([tensors[n] for n in names]).astype(np.float32), expert_type)
+            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_shape=raw.shape, raw_dtype=expert_type)
+            values = dequantize(raw, expert_type)
+            held |= {n: values[e] for e, n in enumerate(names)}
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held

@@ -1,12 +1,13 @@
-"""The families whose graphs hold ops LLaMA's do not (Qwen3's per-head q/k norms) on every CPU executor: ONNX Runtime
-with pagedgraph's custom ops on and off, and MindSpore's CPU MINDIR graphs, each equal to HF transformers fp32."""
+"""The families whose graphs hold ops LLaMA's do not (Qwen3's per-head q/k norms; Qwen3-MoE's and Mixtral's routing
+and grouped matmuls) on every CPU executor: ONNX Runtime with pagedgraph's custom ops on and off, and MindSpore's CPU
+MINDIR graphs, each equal to HF transformers fp32."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tests.graphs.test_tiny_models_vs_transformers import assert_engine_follows
+from tests.graphs.test_tiny_models_vs_transformers import MIXTRAL, QWEN3_MOE, assert_engine_follows
 from tests.mindspore_support import export_artifact, require_mindspore
 from tests.tiny_models import make_tiny_hf_checkpoint
 
@@ -15,7 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 require_mindspore()
 
-FAMILIES = {"qwen3": dict(arch="qwen3", tie=False, dims={"head_dim": 32})}
+FAMILIES = {"qwen3": dict(arch="qwen3", tie=False, dims={"head_dim": 32}),
+            "qwen3_moe": dict(arch="qwen3_moe", tie=False, dims=QWEN3_MOE | {"mlp_only_layers": [0]}),
+            "mixtral": dict(arch="mixtral", tie=False, dims=MIXTRAL)}
 EXECUTORS = {"custom-ops": dict(custom_ops="on"), "onnx-bodies": dict(custom_ops="off"),
              "mindspore-cpu": dict(executor="mindspore")}
 

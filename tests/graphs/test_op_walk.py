@@ -39,6 +39,7 @@ from pagedgraph.graphs.kv_cache import cache_format
 from pagedgraph.graphs.ops import OPS
 from pagedgraph.graphs.ops.op import Example, Op
 from pagedgraph.cpu_kernels.int8_gemm import fit_int8_gemm
+from pagedgraph.cpu_kernels.ort_ops import ORT_CUSTOM_OPS
 from tests.mindspore_support import require_mindspore
 from tests.paths import REPO
 
@@ -90,7 +91,8 @@ def _run_onnx(op: Op, example: Example, library: Path | None = None,
     if profile:
         events = json.loads(Path(session.end_profiling()).read_text())
         ran = {e["args"]["op_name"] for e in events if e.get("cat") == "Node"}
-        assert ran == {op.name}, f"the custom kernel did not run in place of the function body: {sorted(ran)}"
+        assert ran == {ORT_CUSTOM_OPS.own(op).node_name}, \
+            f"the custom kernel did not run in place of the function body: {sorted(ran)}"
     return outputs
 
 
@@ -200,6 +202,7 @@ def _run_mindspore_cpu(op: Op, example: Example) -> list[np.ndarray]:
 def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     import mindspore as ms
 
+    from pagedgraph.exporter.mindspore.ascend_moe import ascend_expert_arrays, ascend_expert_block_arrays
     from pagedgraph.exporter.mindspore.ascend_ops import (MINDSPORE_ASCEND, ascend_block_arrays,
                                                            int8_cache_parameters)
     from pagedgraph.exporter.mindspore.builder import MindSporeTarget
@@ -217,7 +220,11 @@ def _export_mindspore_ascend(op: Op, example: Example, tmp_path: Path) -> None:
     compute = cache_format(dtype).numpy_dtype
     inputs = [None if x is None else params[spec.name] if spec.name in params else
               x.astype(compute) if x.dtype == np.float32 else x for spec, x in zip(op.inputs, example.inputs)]
-    if op.variant == "block_quantized":  # the weight as the Ascend export writes it
+    if op.name == "GroupedMatmul" and op.variant == "block_quantized":  # the expert stack as the export writes it
+        inputs[1:5] = ascend_expert_block_arrays(*example.inputs[1:5], attrs.bits, attrs.block_size, compute)
+    elif op.name == "GroupedMatmul":
+        inputs[1] = ascend_expert_arrays(example.inputs[1], compute)
+    elif op.variant == "block_quantized":  # the weight as the Ascend export writes it
         first = 0 if op.name == "Gather" else 1
         inputs[first:first + 4] = ascend_block_arrays(*example.inputs[first:first + 4], attrs.bits, attrs.block_size,
                                                       dtype)
@@ -244,13 +251,14 @@ def _run_kernels(op: Op, example: Example) -> list[np.ndarray]:
 
 
 def _custom_op_library(op: Op, request: pytest.FixtureRequest) -> Path:
-    """The custom-op library; an op built only with oneDNN (Linear.bfloat16) also needs oneDNN's headers."""
+    """The custom-op library; an op built only with oneDNN (Linear.bfloat16, GroupedMatmul) also needs oneDNN's
+    headers."""
     from pagedgraph.cpu_kernels.ort_ops import ORT_CUSTOM_OPS, bf16_linear_supported
 
     if not ORT_CUSTOM_OPS.own(op).onednn:
         return request.getfixturevalue("custom_op_library")
     library = request.getfixturevalue("onednn_custom_op_library")
-    if not bf16_linear_supported():
+    if op.variant == "bfloat16" and not bf16_linear_supported():
         pytest.skip("oneDNN has no bfloat16 matmul on this CPU (it needs AVX-512 BF16 or AMX): the library leaves "
                     f"{op.key} to its ONNX body, checked by the onnx lowering's case")
     return library

@@ -1,7 +1,9 @@
 """Exported ONNX bucket graphs, run by the engine, against HF transformers on the same tiny checkpoints.
 
 Covers what SmolLM2 does not: untied LM heads, Qwen2's q/k/v bias, Mistral, llama3 rope scaling, Qwen3's per-head
-q/k norms with a head_dim of its own, Phi-3's fused qkv_proj and gate_up_proj.
+q/k norms with a head_dim of its own, Phi-3's fused qkv_proj and gate_up_proj, Mixture-of-Experts layers (Qwen3-MoE
+with and without norm_topk_prob, beside a dense layer, with its experts fused as transformers 5 can save them;
+Mixtral).
 The engine's reported logprobs (top-5 of every generated token) must equal transformers' fp32
 log-softmax, and greedy tokens must match.
 """
@@ -24,6 +26,10 @@ pytestmark = pytest.mark.unit
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+# Tiny MoE layers: 8 experts of width 32 (Qwen3-MoE's dense layers keep TINY_DIMS' intermediate_size); Mixtral's
+# intermediate_size is its experts' width.
+QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
 CASES = {
     "llama-tied": dict(arch="llama", tie=True),
     "llama-untied-llama3-rope": dict(arch="llama", tie=False,
@@ -34,6 +40,10 @@ CASES = {
     "qwen3-tied-head-dim-32": dict(arch="qwen3", tie=True, dims={"head_dim": 32}),  # q 4 x 32 over hidden 64
     "qwen3-untied": dict(arch="qwen3", tie=False),
     "phi3-fused-qkv-gate-up": dict(arch="phi3", tie=False),
+    "qwen3-moe-norm-topk-dense-layer": dict(arch="qwen3_moe", tie=False, dims=QWEN3_MOE | {"mlp_only_layers": [1]}),
+    "qwen3-moe-softmax-weights-fused": dict(arch="qwen3_moe", tie=True, fused_experts=True,
+                                            dims=QWEN3_MOE | {"norm_topk_prob": False, "num_experts_per_tok": 3}),
+    "mixtral": dict(arch="mixtral", tie=False, dims=MIXTRAL),
 }
 PROMPTS = [[5, 17, 42], list(range(10, 60)), [7], list(range(100, 140, 3))]
 NEW_TOKENS = 12

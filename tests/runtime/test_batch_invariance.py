@@ -1,4 +1,5 @@
-"""Greedy output does not depend on what else runs: every shipped precision and KV-cache dtype, on the real model.
+"""Greedy output does not depend on what else runs: every shipped precision and KV-cache dtype, on the real model,
+and a Mixture-of-Experts model (a tiny random Qwen3-MoE: the rows each expert receives change with the batch).
 
 One prompt alone, then inside batches of 2, 7 and 16 other prompts (it comes last, so the step budget chunks it
 at other places), then after part of it and all of it are cached: its tokens and their logprobs are the same
@@ -24,31 +25,60 @@ from tests.conftest import TEST_EXPORT, short_calibration
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 # Precision -> (the fixture of its artifact, the KV-cache dtype checked): the real model's are tests/conftest.py's
-# session exports; a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8 with an int8 cache is
-# exported here.
+# session exports; exported here: a tiny random Qwen3 (per-head q/k norms) on SmolLM2's vocabulary at W8A8 with an
+# int8 cache, and a tiny random Qwen3-MoE in float32 and w4a16.
 CASES = [("fp32", "smollm2_kv_dtypes_artifact", "float32"), ("fp32", "smollm2_kv_dtypes_artifact", "bfloat16"),
          ("fp32", "smollm2_kv_dtypes_artifact", "int8"), ("bf16", "smollm2_bf16_artifact", "bfloat16"),
          ("w8a8", "smollm2_w8a8_artifact", "float32"), ("w8a8", "smollm2_w8a8_artifact", "int8"),
          ("w8a16", "smollm2_w8a16_artifact", "float32"), ("w4a16", "smollm2_w4a16_artifact", "float32"),
          ("gguf", "smollm2_gguf_artifact", "float32"), ("gguf-int8", "smollm2_gguf_int8_artifact", "float32"),
-         ("qwen3-w8a8", "qwen3_w8a8_artifact", "int8")]
+         ("qwen3-w8a8", "qwen3_w8a8_artifact", "int8"), ("moe-fp32", "moe_fp32_artifact", "float32"),
+         ("moe-w4a16", "moe_w4a16_artifact", "float32")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _export(root: Path, model: dict, export: dict) -> Path:
+    """A tiny model exported with the session artifacts' ladders (no baseline graph)."""
+    from pagedgraph.exporter.config import ExportConfig
+    from pagedgraph.exporter.export import export as run_export
+
+    options = {**TEST_EXPORT["export"], "baseline": None, **export}
+    run_export(ExportConfig.model_validate({"model": model, "export": options}), root / "artifact", log=io.StringIO())
+    return root / "artifact"
 
 
 @pytest.fixture(scope="module")
 def qwen3_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pagedgraph.exporter.config import ExportConfig
-    from pagedgraph.exporter.export import export
     from tests.tiny_models import default_model_tokenizer, make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("qwen3-w8a8")
     hf = make_tiny_hf_checkpoint(root / "hf", arch="qwen3", tie=True, tokenizer=default_model_tokenizer(),
                                  dims={"head_dim": 32, "max_position_embeddings": 2048})
-    options = {**TEST_EXPORT["export"], "baseline": None, "kv_cache_dtypes": ["float32", "int8"],
-               **short_calibration(root)}
-    export(ExportConfig.model_validate({"model": {"source": str(hf), "quantization": "w8a8"}, "export": options}),
-           root / "artifact", log=io.StringIO())
-    return root / "artifact"
+    return _export(root, {"source": str(hf), "quantization": "w8a8"},
+                   {"kv_cache_dtypes": ["float32", "int8"], **short_calibration(root)})
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 experts, top-4, beside a dense layer; positions for the longest prompt and its tokens."""
+    from tests.graphs.test_tiny_models_vs_transformers import QWEN3_MOE
+    from tests.tiny_models import make_tiny_hf_checkpoint
+
+    pytest.importorskip("torch")
+    dims = QWEN3_MOE | {"num_experts": 16, "num_experts_per_tok": 4, "mlp_only_layers": [1],
+                        "max_position_embeddings": TEST_EXPORT["export"]["max_model_len"]}
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe-hf") / "hf", arch="qwen3_moe", tie=False, dims=dims)
+
+
+@pytest.fixture(scope="module")
+def moe_fp32_artifact(tmp_path_factory: pytest.TempPathFactory, moe_checkpoint: Path) -> Path:
+    return _export(tmp_path_factory.mktemp("moe-fp32"), {"source": str(moe_checkpoint)}, {})
+
+
+@pytest.fixture(scope="module")
+def moe_w4a16_artifact(tmp_path_factory: pytest.TempPathFactory, moe_checkpoint: Path) -> Path:
+    return _export(tmp_path_factory.mktemp("moe-w4a16"),
+                   {"source": str(moe_checkpoint), "quantization": "w4a16", "group_size": 32}, {})
 
 
 def _prompts(llm: LLM) -> tuple[list[int], list[list[int]]]:

@@ -131,3 +131,31 @@ def test_decode_rows_feed_a_short_chunk_as_one_query_rows_in_a_decode_gear() -> 
     np.testing.assert_array_equal(buf[c.LOGITS_INDICES], [2, 3, 0, 0])
     batch.decode_rows = False
     assert packer.select(batch)[0] == PREFILL
+
+
+def test_moe_padding_decode_rows_copy_the_first_sequence() -> None:
+    """A MoE model's padding decode rows repeat the first sequence (token, position, block table, context) and write
+    into the null block: they choose its experts, so padding reads no other expert's weights. Prefill padding and
+    dense models keep null rows."""
+    from dataclasses import replace
+
+    from pagedgraph.graphs.config import MoeConfig
+
+    manifest = _manifest()
+    packer = Packer(replace(manifest, model=replace(MODEL, moe=MoeConfig(8, 2, 16, True, (0,)))))
+    first, second = _seq([1, 2, 3], 2, [4]), _seq([5, 6, 7, 8], 3, [6, 8])
+    batch = ScheduledBatch([first, second], [1, 1])
+    buf = packer.pack(batch, Gear(4, 4, 2))
+    np.testing.assert_array_equal(buf[c.INPUT_IDS], [3, 8, 3, 3])
+    np.testing.assert_array_equal(buf[c.POSITIONS], [2, 3, 2, 2])
+    np.testing.assert_array_equal(buf[c.SLOT_MAPPING], [66, 99, 0, 0])  # the copies write into the null block
+    np.testing.assert_array_equal(buf[c.BLOCK_TABLES], [[4, 0], [6, 8], [4, 0], [4, 0]])
+    np.testing.assert_array_equal(buf[c.CONTEXT_LENS], [3, 4, 3, 3])
+    np.testing.assert_array_equal(buf[c.CU_SEQLENS_Q], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(buf[c.LOGITS_INDICES], [0, 1, 0, 0])
+    dense = Packer(manifest).pack(batch, Gear(4, 4, 2))
+    np.testing.assert_array_equal(dense[c.INPUT_IDS], [3, 8, 0, 0])
+    np.testing.assert_array_equal(dense[c.CONTEXT_LENS], [3, 4, 0, 0])
+    fresh = ScheduledBatch([_seq(list(range(1, 6)), 0, [3])], [5])
+    prefill = packer.pack(fresh, Gear(8, 4, 2))
+    np.testing.assert_array_equal(prefill[c.INPUT_IDS], [1, 2, 3, 4, 5, 0, 0, 0])
