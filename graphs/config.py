@@ -32,6 +32,9 @@ class Pooling:
     def __post_init__(self) -> None:
         if self.type not in POOLING_TYPES:
             raise ValueError(f"pooling type {self.type!r}: choose one of {', '.join(POOLING_TYPES)}")
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """A Mixture-of-Experts model's sparse layers (graphs/moe.py): plain data, recorded in the manifest.
 
