@@ -150,6 +150,16 @@ def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Any:
+    """The bundled SmolLM2 GGUF read once (config, tokenizer, lazily mapped tensors): parsing its 49,152-token
+    vocabulary takes seconds, and the tokenizer and reader tests share it. Reading is no export (no unit test
+    exports the real model)."""
+    from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf
+
+    return read_gguf(default_model_path())
+
+
+@pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with one gear per family: seconds to export, for tests of the runtime's plumbing."""
     pytest.importorskip("transformers")
