@@ -128,7 +128,7 @@ def smollm2_mindir_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     require_mindspore()
     return export_artifact("default", tmp_path_factory.mktemp("smollm2_mindir") / "art", ["onnx", "mindir"],
-                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64)
+                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64, mindir_workers=None)
 
 
 def short_calibration(root: Path) -> dict:

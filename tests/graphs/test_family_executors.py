@@ -46,7 +46,7 @@ def test_qwen3_ascend_mindir_norms_each_head_and_keeps_one_weight_copy(tmp_path:
 
     model_dir = make_tiny_hf_checkpoint(tmp_path / "hf", **FAMILIES["qwen3"])
     art = export_artifact(str(model_dir), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
-                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16"}, mindir_workers=1)
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16"})
     assert_one_copy_of_the_weights(art, model_dir)
     from pagedgraph.exporter.mindspore.builder import weight_attribute as W
 
