@@ -9,6 +9,7 @@ test that exports the real model fails.
 """
 from __future__ import annotations
 
+import gc
 import io
 import os
 from pathlib import Path
@@ -127,7 +128,7 @@ def smollm2_mindir_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     require_mindspore()
     return export_artifact("default", tmp_path_factory.mktemp("smollm2_mindir") / "art", ["onnx", "mindir"],
-                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64)
+                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64, mindir_workers=None)
 
 
 def short_calibration(root: Path) -> dict:
@@ -147,6 +148,16 @@ def smollm2_w8a8_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = {"model": {"quantization": "w8a8"},
               "export": {**_NO_BASELINE, "kv_cache_dtypes": ["float32", "int8"], **calibration}}
     return _real_model_artifact(tmp_path_factory, "PAGEDGRAPH_TEST_W8A8_ARTIFACT", "smollm2-w8a8", config)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Any:
+    """The bundled SmolLM2 GGUF read once (config, tokenizer, lazily mapped tensors): parsing its 49,152-token
+    vocabulary takes seconds, and the tokenizer and reader tests share it. Reading is no export (no unit test
+    exports the real model)."""
+    from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf
+
+    return read_gguf(default_model_path())
 
 
 @pytest.fixture(scope="session")
@@ -208,6 +219,15 @@ def onednn_custom_op_library(custom_op_library: Path) -> Path:
     if missing:
         missing_toolchain("oneDNN for the bfloat16 custom op", RuntimeError(missing))
     return custom_op_library
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Moves what collection built (torch, transformers, MindSpore and every test module) out of the garbage
+    collector's sight: MindSpore runs a full `gc.collect()` before each graph it compiles, hundreds per run, and
+    each scanned that whole heap again (0.1-0.3 s apiece). Those objects live all session anyway; the garbage among
+    them is collected once first."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,13 +19,17 @@ def require_mindspore() -> None:
 
 def export_artifact(source: str, out: Path, formats: list[str], decode: list[int], prefill: list[int],
                     max_seqs: int, max_model_len: int, target: str = "cpu", model: dict[str, Any] | None = None,
-                    **options: Any) -> Path:
-    """A small export; `model` adds model keys (dtype, ...), `options` export keys (kv_cache_dtypes, ...)."""
+                    mindir_workers: int | None = 1, **options: Any) -> Path:
+    """A small export; `model` adds model keys (dtype, ...), `options` export keys (kv_cache_dtypes, ...).
+
+    MINDIR gears compile in this process unless `mindir_workers` says otherwise (None: the export's default, one
+    worker per core): a spawned worker imports MindSpore again, seconds, where a tiny model's gear compiles in a
+    fraction of one. tests/exporter/test_mindir_parallel.py checks the workers."""
     config = ExportConfig.model_validate({
         "model": {"source": source, **(model or {})},
         "export": {"formats": formats, "target": target, "max_model_len": max_model_len, "verify_gears": False,
                    "buckets": {"decode_batch": decode, "prefill_tokens": prefill, "prefill_max_seqs": max_seqs},
-                   **options},
+                   "mindir_workers": mindir_workers, **options},
     })
     export(config, out, log=io.StringIO())
     return out

@@ -11,6 +11,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pagedgraph.exporter.checkpoint.base import Checkpoint
+
 TINY_DIMS: dict[str, int] = {
     "vocab_size": 300,
     "hidden_size": 64,
@@ -113,9 +115,10 @@ def make_tiny_hf_checkpoint(
     return out
 
 
-def default_model_tokenizer() -> Tokenizer:
+def default_model_tokenizer(checkpoint: Checkpoint | None = None) -> Tokenizer:
     """SmolLM2's tokenizer (49,152 tokens, from the bundled GGUF): a real vocabulary, which llama.cpp's converter
-    recognises and the shipped texts tokenize into."""
+    recognises and the shipped texts tokenize into. `checkpoint`: the GGUF already read (conftest's
+    `smollm2_checkpoint`), which spares parsing it again."""
     from pagedgraph.exporter.checkpoint import read_checkpoint
 
-    return Tokenizer.from_str(read_checkpoint("default").tokenizer.tokenizer_json)
+    return Tokenizer.from_str((checkpoint or read_checkpoint("default")).tokenizer.tokenizer_json)

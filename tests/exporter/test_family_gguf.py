@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pagedgraph.exporter.checkpoint import read_checkpoint
+from pagedgraph.exporter.checkpoint.base import Checkpoint
 from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path
 from pagedgraph.exporter.checkpoint.gguf_tokenizer import build_tokenizer
 from pagedgraph.exporter.config import ExportConfig
@@ -32,10 +33,10 @@ PROMPTS = [[504, 3458, 282, 4649, 314], list(range(1000, 1040)), [7], list(range
 
 
 @pytest.fixture(scope="module")
-def qwen3_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qwen3_hf(tmp_path_factory: pytest.TempPathFactory, smollm2_checkpoint: Checkpoint) -> Path:
     """A tiny Qwen3 (head_dim 32 over hidden 64, tied) on SmolLM2's vocabulary, which the converter recognises."""
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("qwen3") / "hf", arch="qwen3", tie=True,
-                                   dims={"head_dim": 32}, tokenizer=default_model_tokenizer())
+                                   dims={"head_dim": 32}, tokenizer=default_model_tokenizer(smollm2_checkpoint))
 
 
 def _converted(hf: Path, outtype: str) -> Path:

@@ -15,28 +15,23 @@ from tests.exporter.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Checkpoint:
-    return read_gguf(default_model_path())
-
-
 def test_default_model_path_is_the_packaged_gguf() -> None:
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
 
 
-def test_smollm2_config(smollm2: Checkpoint) -> None:
-    c = smollm2.config
+def test_smollm2_config(smollm2_checkpoint: Checkpoint) -> None:
+    c = smollm2_checkpoint.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
     assert c.tie_word_embeddings and not c.attention_bias and c.rope_scaling is None
     assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings) == (100000.0, 1e-5, 8192)
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
-    assert smollm2.tokenizer.eos_token_ids == (2,) and not smollm2.tokenizer.add_bos_token
+    assert smollm2_checkpoint.tokenizer.eos_token_ids == (2,) and not smollm2_checkpoint.tokenizer.add_bos_token
 
 
-def test_smollm2_tensors(smollm2: Checkpoint) -> None:
-    t = smollm2.tensors
+def test_smollm2_tensors(smollm2_checkpoint: Checkpoint) -> None:
+    t = smollm2_checkpoint.tensors
     assert len(t) == 2 + 30 * 9 and "lm_head.weight" not in t
     assert t["model.embed_tokens.weight"].shape == (49152, 576)
     assert t["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)

@@ -202,7 +202,7 @@ def ascend_caches(request: pytest.FixtureRequest, checkpoint: Path,
     formats, caches, _ = ASCEND_CACHES[request.param]
     art = export_artifact(str(checkpoint), tmp_path_factory.mktemp(f"ascend_{request.param}") / "art", formats,
                           decode=[2], prefill=[16], max_seqs=2, max_model_len=MAX_LEN, target="ascend",
-                          model={"dtype": request.param}, kv_cache_dtypes=caches, mindir_workers=1,
+                          model={"dtype": request.param}, kv_cache_dtypes=caches,
                           kv_cache_calibration=str(REPO / "pagedgraph" / "data" / "calibration.txt"))
     return request.param, art
 
@@ -314,8 +314,7 @@ def test_ascend_weight_only_lowers_to_weight_quant_batch_matmul(checkpoint: Path
 
     bits = 8 if quantization == "w8a16" else 4
     art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
-                          max_model_len=MAX_LEN, target="ascend", model={"dtype": dtype, "quantization": quantization},
-                          mindir_workers=1)
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": dtype, "quantization": quantization})
     index, model = MindirIndex.load(art), Manifest.load(art).model
     records = read_ops(art / index.graphs[c.DECODE][gear_key(Gear(2, 2, 4))],
                        {"WeightQuantBatchMatmul", "MatMul", "Gather"})
@@ -360,7 +359,7 @@ def test_ascend_w8a8_lowers_to_quant_batch_matmul_with_calibrated_input_scales(c
     text = REPO / "pagedgraph" / "data" / "calibration.txt"
     art = export_artifact(str(checkpoint), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
                           max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16", "quantization": "w8a8"},
-                          mindir_workers=1, kv_cache_calibration=str(text), w8a8_smoothing=None)
+                          kv_cache_calibration=str(text), w8a8_smoothing=None)
     index, model = MindirIndex.load(art), Manifest.load(art).model
     records = read_ops(art / index.graphs[c.PREFILL][gear_key(Gear(16, 2, 4))],
                        {"QuantBatchMatmul", "WeightQuantBatchMatmul", "MatMul"})

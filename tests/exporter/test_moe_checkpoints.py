@@ -25,7 +25,8 @@ from pagedgraph.exporter.quantize import quantize_tensor
 from pagedgraph.graphs import models
 from pagedgraph.graphs.quant import BlockQuantized
 from tests.exporter.tiny_gguf import write_qwen3_moe_gguf
-from tests.graphs.test_tiny_models_vs_transformers import MIXTRAL, QWEN3_MOE, assert_engine_follows
+from tests.graphs.test_tiny_models_vs_transformers import (MIXTRAL, QWEN3_MOE, Reference, assert_engine_follows,
+                                                        hf_reference)
 from tests.tiny_models import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.unit
@@ -44,15 +45,15 @@ def _export(source: Path | str, out: Path, model: Mapping[str, Any] | None = Non
     return out
 
 
-def _hf_with(model_dir: Path, tensors: Mapping[str, np.ndarray], out: Path) -> Any:
-    """The HF model of `model_dir` with `tensors` (per-expert names, as the checkpoint stores them) in place of its
-    own: saved as a checkpoint of its own and loaded by transformers."""
+def _reference_with(model_dir: Path, tensors: Mapping[str, np.ndarray], out: Path) -> Reference:
+    """transformers' reference (hf_reference) for the HF model of `model_dir` with `tensors` (per-expert names, as
+    the checkpoint stores them) in place of its own: saved as a checkpoint of its own and loaded by transformers."""
     from safetensors.numpy import load_file, save_file
 
     shutil.copytree(model_dir, out)
     weights = load_file(out / "model.safetensors") | {n: np.ascontiguousarray(t, np.float32) for n, t in tensors.items()}
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return hf_reference(transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_qwen3moe_gguf_keeps_its_stacked_expert_blocks(qwen3_moe: Path, tmp_path
     artifact = _export(path, tmp_path / "artifact", {"quantization": "gguf"}, accuracy_level=0)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["weight_formats"][expert_type.name] == 2 * 3 * QWEN3_MOE["num_experts"]
-    assert_engine_follows(artifact, _hf_with(qwen3_moe, held, tmp_path / "dequantized"), f"gguf {expert_type.name}")
+    reference = _reference_with(qwen3_moe, held, tmp_path / "dequantized")
+    assert_engine_follows(artifact, reference, f"gguf {expert_type.name}")
 
 
 @pytest.mark.parametrize("quantization", ["w8a16", "w4a16", "bfloat16"])
@@ -106,7 +108,7 @@ def test_expert_precisions_keep_the_router_in_float32(qwen3_moe: Path, tmp_path:
     roles = {name: w.role for name, w in models.source_weights(checkpoint.config).items()}
     held = {name: _dequantized(quantize_tensor(roles[name], checkpoint.tensors[name], quantization, 32))
             for name in checkpoint.tensors}
-    assert_engine_follows(artifact, _hf_with(qwen3_moe, held, tmp_path / "dequantized"), quantization)
+    assert_engine_follows(artifact, _reference_with(qwen3_moe, held, tmp_path / "dequantized"), quantization)
 
 
 def _dequantized(w: Any) -> np.ndarray:
@@ -119,8 +121,8 @@ def test_tensor_parallel_experts_follow_transformers(tmp_path: Path) -> None:
     model_dir = make_tiny_hf_checkpoint(tmp_path / "hf", arch="qwen3_moe", tie=False,
                                         dims=QWEN3_MOE | {"mlp_only_layers": [1]})
     artifact = _export(model_dir, tmp_path / "artifact", tensor_parallel_size=2)
-    assert_engine_follows(artifact, transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                          "qwen3-moe tp=2")
+    reference = hf_reference(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    assert_engine_follows(artifact, reference, "qwen3-moe tp=2")
 
 
 def test_mixtral_router_and_experts_under_transformers_5_fused_names(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.graphs.test_tiny_models_vs_transformers import MIXTRAL, QWEN3_MOE, assert_engine_follows
+from tests.graphs.test_tiny_models_vs_transformers import (MIXTRAL, QWEN3_MOE, Reference, assert_engine_follows,
+                                                        hf_reference)
 from tests.mindspore_support import export_artifact, require_mindspore
 from tests.tiny_models import make_tiny_hf_checkpoint
 
@@ -24,20 +25,21 @@ EXECUTORS = {"custom-ops": dict(custom_ops="on"), "onnx-bodies": dict(custom_ops
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Reference]:
+    """The family's artifact and transformers' reference on its weights, both shared by the executors."""
     root = tmp_path_factory.mktemp(request.param)
     model_dir = make_tiny_hf_checkpoint(root / "hf", **FAMILIES[request.param])
     artifact = export_artifact(str(model_dir), root / "artifact", ["onnx", "mindir"], decode=[1, 4], prefill=[64],
                                max_seqs=4, max_model_len=128)
-    return request.param, model_dir, artifact
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return request.param, artifact, hf_reference(model)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_family_follows_transformers_on_every_executor(exported: tuple[str, Path, Path], executor: str,
+def test_family_follows_transformers_on_every_executor(exported: tuple[str, Path, Reference], executor: str,
                                                        custom_op_library: Path) -> None:
-    family, model_dir, artifact = exported
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    assert_engine_follows(artifact, model, f"{family} on {executor}", **EXECUTORS[executor])
+    family, artifact, reference = exported
+    assert_engine_follows(artifact, reference, f"{family} on {executor}", **EXECUTORS[executor])
 
 
 def test_qwen3_ascend_mindir_norms_each_head_and_keeps_one_weight_copy(tmp_path: Path) -> None:
@@ -49,7 +51,7 @@ def test_qwen3_ascend_mindir_norms_each_head_and_keeps_one_weight_copy(tmp_path:
 
     model_dir = make_tiny_hf_checkpoint(tmp_path / "hf", **FAMILIES["qwen3"])
     art = export_artifact(str(model_dir), tmp_path / "art", ["mindir"], decode=[2], prefill=[16], max_seqs=2,
-                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16"}, mindir_workers=1)
+                          max_model_len=MAX_LEN, target="ascend", model={"dtype": "float16"})
     assert_one_copy_of_the_weights(art, model_dir)
     from pagedgraph.exporter.mindspore.builder import weight_attribute as W
 

@@ -49,6 +49,15 @@ PROMPTS = [[5, 17, 42], list(range(10, 60)), [7], list(range(100, 140, 3))]
 NEW_TOKENS = 12
 
 
+Reference = list[tuple[list[int], list[np.ndarray]]]  # per prompt of PROMPTS: greedy tokens, each step's log-softmax
+
+
+def hf_reference(model: object) -> Reference:
+    """`model`'s (a transformers fp32 model) greedy continuation of each of PROMPTS: computed once, checked against
+    every engine that serves its weights."""
+    return [_hf_greedy(model, prompt) for prompt in PROMPTS]
+
+
 def _hf_greedy(model: object, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
     ids = torch.tensor([prompt])
     tokens, logprobs = [], []
@@ -76,21 +85,20 @@ def test_engine_matches_transformers(case: str, tmp_path: Path) -> None:
     })
     export(config, tmp_path / "artifact", log=io.StringIO())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    assert_engine_follows(tmp_path / "artifact", model, case)
+    assert_engine_follows(tmp_path / "artifact", hf_reference(model), case)
 
 
-def assert_engine_follows(artifact: Path, model: object, label: str, **engine_config: object) -> None:
-    """The engine's greedy tokens on PROMPTS equal `model`'s (a transformers fp32 model), and its top-5 logprobs
-    its log-softmax within 1e-4. `engine_config`: EngineConfig fields (executor, custom_ops, ...)."""
+def assert_engine_follows(artifact: Path, reference: Reference, label: str, **engine_config: object) -> None:
+    """The engine's greedy tokens on PROMPTS equal the `reference`'s (`hf_reference`), and its top-5 logprobs the
+    reference's log-softmax within 1e-4. `engine_config`: EngineConfig fields (executor, custom_ops, ...)."""
     engine = LLMEngine(artifact, EngineConfig(num_blocks=64, max_num_batched_tokens=64, **engine_config))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     seqs = {engine.add_request(p, params).request_id: p for p in PROMPTS}
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    for request_id, prompt in seqs.items():
+    for (request_id, prompt), (want_tokens, want_logprobs) in zip(seqs.items(), reference, strict=True):
         out = done[request_id]
-        want_tokens, want_logprobs = _hf_greedy(model, prompt)
         assert out.token_ids == want_tokens, f"{label}: prompt {prompt[:5]}..."
         for step, (got, want) in enumerate(zip(out.logprobs, want_logprobs)):
             for token, value in got.items():

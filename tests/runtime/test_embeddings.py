@@ -191,7 +191,7 @@ def test_a_qwen3_embedding_layout_exports_with_its_own_pooling(checkpoints: dict
 def test_the_mindir_graphs_pool_as_the_onnx_graph_does(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     pytest.importorskip("mindspore", reason="MindSpore is not installed: pip install -e .[mindspore]")
     artifact = _export(checkpoints["qwen3"], tmp_path / "mindir", task="embed", pooling={"type": "mean"},
-                       formats=["onnx", "mindir"], verify_gears=False,
+                       formats=["onnx", "mindir"], verify_gears=False, mindir_workers=1,
                        buckets={"decode_batch": [4], "prefill_tokens": [64], "prefill_max_seqs": 4,
                                 "context_blocks": [8]})
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]

@@ -17,8 +17,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from pagedgraph.exporter.checkpoint.base import TokenizerSpec
-from pagedgraph.exporter.checkpoint.gguf_reader import default_model_path, read_gguf
+from pagedgraph.exporter.checkpoint.base import Checkpoint, TokenizerSpec
 from pagedgraph.exporter.tokenizer_files import write_tokenizer
 from pagedgraph.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.paths import DATA, REPO
@@ -30,8 +29,8 @@ REFERENCE: list[dict[str, Any]] = json.loads((DATA / "reference_smollm2.json").r
 
 
 @pytest.fixture(scope="module")
-def spec() -> TokenizerSpec:
-    return read_gguf(default_model_path()).tokenizer
+def spec(smollm2_checkpoint: Checkpoint) -> TokenizerSpec:
+    return smollm2_checkpoint.tokenizer
 
 
 @pytest.fixture(scope="module")
