@@ -6,10 +6,12 @@ installed (Debian's libdnnl-dev), the custom-op library also gets Linear.bf16 (o
 to the system's libdnnl; without them it is built without that op (`onednn_missing` says why). Each lands in a
 per-user cache directory keyed by a hash of its sources, headers and flags, so the exporter and
 the runtime on one machine share it and an edited source or another ORT header rebuilds it. The
-build writes to a temporary name and renames it, so concurrent first uses never load half a file.
+build holds a lock beside its target, so concurrent first uses (test workers, a fleet's replicas) compile once,
+and writes to a temporary name and renames it, so no reader ever loads half a file.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -97,16 +99,24 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None,
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed; a process that dies lets go of it too
+        if not target.is_file():  # built by whoever held the lock before
+            _compile(name, [compiler, *FLAGS, *flags], include, sources, link, target)
+    return target
+
+
+def _compile(name: str, command: list[str], include: Path | None, sources: list[str], link: tuple[str, ...],
+             target: Path) -> None:
     fd, partial = tempfile.mkstemp(prefix=name, dir=target.parent)
     os.close(fd)
     includes = ["-I", str(HERE)] + (["-I", str(include)] if include else [])
-    command = [compiler, *FLAGS, *flags, *includes, *(str(HERE / s) for s in sources), *link, "-o", partial]
+    command = [*command, *includes, *(str(HERE / s) for s in sources), *link, "-o", partial]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         os.unlink(partial)
         raise KernelBuildError(f"compiling {name} failed ({' '.join(command)}):\n{result.stderr}")
     os.replace(partial, target)
-    return target
 
 
 def library_path() -> Path:

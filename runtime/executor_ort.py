@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import cache
 from pathlib import Path
 from typing import Literal, get_args
@@ -58,9 +59,11 @@ def session_options(threads: int | None, prepack: bool = True) -> ort.SessionOpt
     options.inter_op_num_threads = 1
     # Workers spin inside a step (a decode step is hundreds of short kernels, and waking a sleeping
     # worker for each is slow) and stop when the step returns, so they never take the cores the host
-    # loop needs between steps. With another process on the cores, spinning costs instead.
+    # loop needs between steps. With another process on the cores, spinning costs instead: then
+    # OMP_WAIT_POLICY=PASSIVE, OpenMP's own switch (oneDNN's pool follows it), turns it off here too.
     # Figures: docs/performance.md, "Kernel and graph choices".
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    spin = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Memory patterns are cached per input-shape set (one per gear here) and add to the peak RSS
     # without making steps faster (docs/performance.md, "Kernel and graph choices").

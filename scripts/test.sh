@@ -24,4 +24,8 @@ python -m pip install -q --disable-pip-version-check torch==2.13.0 transformers 
 python scripts/llama_cpp_converter.py --fetch
 # Every test carries a tier (tests/conftest.py): `bash scripts/test.sh -m unit` runs the quick one alone. A test
 # past its timeout fails, naming itself, instead of holding the run; the 15 slowest are listed at the end.
-python -m pytest -q --durations=15 --timeout="${PAGEDGRAPH_TEST_TIMEOUT:-900}" "$@"
+# One pytest-xdist worker per core (at most 4: each holds its engines' memory), a test file to a worker (its module
+# fixtures built once); the real-model exports are shared between workers (tests/conftest.py, exported_once).
+# PAGEDGRAPH_TEST_WORKERS=0 runs everything in one process.
+python -m pytest -q --durations=15 --timeout="${PAGEDGRAPH_TEST_TIMEOUT:-900}" \
+  -n "${PAGEDGRAPH_TEST_WORKERS:-logical}" --maxprocesses=4 --dist loadfile "$@"

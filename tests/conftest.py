@@ -9,6 +9,7 @@ test that exports the real model fails.
 """
 from __future__ import annotations
 
+import fcntl
 import gc
 import io
 import os
@@ -28,6 +29,10 @@ TEST_EXPORT = {
 }
 TIERS = ("unit", "e2e", "slow")
 REAL_MODEL: set[str] = set()  # the session fixtures that export the real model (real_model_fixture)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Workers share the cores: ONNX Runtime's and OpenMP's threads wait asleep rather than spinning through the
+    # other workers' time (runtime/executor_ort.py; docs/performance.md, "Kernel and graph choices").
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def real_model_fixture(fn: Callable[..., Path]) -> Any:
@@ -36,19 +41,38 @@ def real_model_fixture(fn: Callable[..., Path]) -> Any:
     return pytest.fixture(scope="session")(fn)
 
 
+def exported_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """`make(out)` run once per test run, whatever the number of pytest-xdist workers (scripts/test.sh runs one
+    per core): the first worker to ask exports under the run's shared temporary root while holding a lock, and the
+    others wait for it and read the same directory."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # every worker's basetemp is a child of the run's
+    out = shared / "exports" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").is_file():
+            make(out)
+    return out
+
+
 def _real_model_artifact(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, name: str,
                          config: dict) -> Path:
-    """The real model exported with `config` once per session; the directory in `reuse_env`, when set and
-    already exported with the same settings, is reused (and written there when empty)."""
+    """The real model exported with `config` once per run (`exported_once`); the directory in `reuse_env`, when set
+    and already exported with the same settings, is reused (and written there when empty)."""
     from pagedgraph.exporter.config import ExportConfig
     from pagedgraph.exporter.export import export
 
+    def make(out: Path) -> None:
+        export(ExportConfig.model_validate(config), out, log=io.StringIO())
+
     reuse = os.environ.get(reuse_env)
-    if reuse and Path(reuse, "manifest.json").is_file():
-        return Path(reuse)
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("artifacts") / name
-    export(ExportConfig.model_validate(config), out, log=io.StringIO())
-    return out
+    if not reuse:
+        return exported_once(tmp_path_factory, name, make)
+    if not Path(reuse, "manifest.json").is_file():
+        make(Path(reuse))
+    return Path(reuse)
 
 
 _NO_BASELINE = {k: v for k, v in TEST_EXPORT["export"].items() if k != "baseline"}
@@ -127,8 +151,9 @@ def smollm2_mindir_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.mindspore_support import export_artifact, require_mindspore
 
     require_mindspore()
-    return export_artifact("default", tmp_path_factory.mktemp("smollm2_mindir") / "art", ["onnx", "mindir"],
-                           decode=[8], prefill=[64], max_seqs=8, max_model_len=64, mindir_workers=None)
+    return exported_once(tmp_path_factory, "smollm2-mindir", lambda out: export_artifact(
+        "default", out, ["onnx", "mindir"], decode=[8], prefill=[64], max_seqs=8, max_model_len=64,
+        mindir_workers=None))
 
 
 def short_calibration(root: Path) -> dict:
@@ -231,7 +256,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test has exactly one tier (its file's `pytestmark`), and a `unit` test names no real-model fixture."""
+    """Each test has exactly one tier (its file's `pytestmark`), and a `unit` test names no real-model fixture.
+
+    The costly tiers' files then run first, each file in its own order: pytest-xdist hands out whole files in this
+    order (scripts/test.sh), so the workers end on short `unit` files, not one of them alone on a long file."""
     problems = []
     for item in items:
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
@@ -243,6 +271,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                             f"; mark its file e2e")
     if problems:
         raise pytest.UsageError("test tiers (tests/conftest.py):\n" + "\n".join(problems))
+    items.sort(key=lambda item: -TIERS.index(next(m.name for m in item.iter_markers() if m.name in TIERS)))
 
 
 class _RealModelGuard:
