@@ -386,8 +386,9 @@ void zero_terms(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t c
 // Rows [row, row + Rows) times columns [col, col + Cols), from the rows' int8 chunks. Per element: one accumulator
 // over chunk pairs (blocks of an even number of chunks: a block's pairs scaled by the rows' chunk scales into a
 // partial sum, which is scaled by the block's; others: each pair scaled by both at once, lane by lane), one over the
-// zero point's terms,
-// summed in fixed orders; the same operations whatever Rows and Cols are.
+// zero point's terms, summed in fixed orders; the same operations whatever Rows and Cols are. Each pair's code load
+// prefetches the next step's columns at the same offset: without it the kernel waits on memory at decode, where every
+// weight byte is read once (most of the gain of this form, docs/performance.md).
 template <int Bits, int Rows, int Cols>
 void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, const float (*minimum)[kChunk], int64_t c0,
                   int64_t col, float *y) {
@@ -411,13 +412,15 @@ void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, const f
     for (int r = 0; r < Rows; ++r) {
       const __m512i x = _mm512_maskz_loadu_epi8(half ? 0xFFFFFFFFull : ~0ull, xq + r * in.k + q * kChunkK);
       const __m512 xs = _mm512_maskz_loadu_ps(half ? 0x00FF : 0xFFFF, xscale + (r * in.chunks + q) * kScaleLanes);
-      for (int c = 0; c < Cols; ++c) add(r, c, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], x)), xs);
+      for (int c = 0; c < Cols; ++c)
+        add(r, c, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], x)), xs);
     }
   };
   if (per_block % 2) {
     for (int64_t q = 0; q < in.chunks; q += 2) {
       const bool half = q + 1 == in.chunks;
-      const int64_t b0 = per_block == 1 ? q : q / per_block, b1 = half ? b0 : per_block == 1 ? q + 1 : (q + 1) / per_block;
+      const int64_t b0 = per_block == 1 ? q : q / per_block;
+      const int64_t b1 = half ? b0 : per_block == 1 ? q + 1 : (q + 1) / per_block;
       __m512 ws[Cols];
       for (int c = 0; c < Cols; ++c)
         ws[c] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[c * e.blocks + b0]),

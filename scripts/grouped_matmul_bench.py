@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from moe_bench import machine
 from pagedgraph.cpu_kernels.build import library_path
 
@@ -89,7 +88,7 @@ def streamed_bytes(parts: dict[str, np.ndarray], group_list: np.ndarray) -> int:
 def call(lib: ctypes.CDLL, x: np.ndarray, parts: dict[str, np.ndarray], group_list: np.ndarray, y: np.ndarray,
          bits: int) -> None:
     codes = parts["codes"]
-    ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    ptr = lambda a: ctypes.c_void_p(a.ctypes.data)
     rc = lib.pg_grouped_matmul_nbits(
         ptr(x), ptr(codes), ptr(parts["scales"]), ptr(parts["zero_points"]),
         ctypes.c_int32(parts["zero_points"].shape[0] == EXPERTS), ptr(parts["minimum_t"]), ctypes.c_int32(FLOAT16),

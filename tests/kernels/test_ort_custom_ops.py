@@ -148,7 +148,7 @@ def test_grouped_matmul_nbits_int8_rows_are_batch_invariant(library: Path, bits:
               "zero_points": rng.integers(0, 256, (experts, n, -(-blocks * bits // 8)), dtype=np.uint8),
               "minimum_t": rng.standard_normal((experts, blocks, n)).astype(np.float16) * np.float16(0.1),
               "group_list": np.array([7, 0, 2], np.int64)}
-    attrs = dict(K=k, N=n, bits=bits, block_size=block_size, accuracy_level=4, group_list_type=1)
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block_size, "accuracy_level": 4, "group_list_type": 1}
     session = _session(_model(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, inputs, **attrs), library)
     (batched,) = session.run(None, inputs)
     want = ops.GROUPED_MATMUL_BLOCK_QUANTIZED.reference(*inputs.values(), **attrs)
