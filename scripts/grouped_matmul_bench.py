@@ -1,6 +1,6 @@
 """GroupedMatmulNBits kernel microbenchmark: this checkout's kernel beside another git revision's, at MoE shapes.
 
-The MoE decode step is bound by the expert kernel (issue #36): at B = 1 each chosen expert gets one row, so the
+The MoE decode step is bound by the expert kernel: at B = 1 each chosen expert gets one row, so the
 kernel must stream its weights as fast as memory allows. Timings on a shared machine are noisy, so both kernels run
 in one process, alternating, and the figure is their ratio. The baseline is built from `--baseline-rev`'s
 cpu_kernels sources (git show) with the same compiler flags (cpu_kernels/build.py), both libraries called through
