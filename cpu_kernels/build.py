@@ -82,16 +82,17 @@ def onednn_missing() -> str | None:
 
 
 def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None,
-           extra: tuple[str, ...] = (), link: tuple[str, ...] = (), headers: tuple[Path, ...] = ()) -> Path:
-    """The library `name` (its entry point, the kernel sources and `extra` sources), compiled on first use.
+           extra: tuple[str, ...] = (), link: tuple[str, ...] = (), headers: tuple[Path, ...] = (),
+           source: Path = HERE) -> Path:
+    """The library `name` (its entry point, the kernel sources and `extra` sources in `source`), compiled on first use.
 
     The cache key covers the compiler, flags, CPU features and the content of every source and
     header here, of `include`'s onnxruntime_c_api.h and of `headers` (a library's version header): their
     paths are machine details, their versions are not.
     """
-    kernels = sorted(p.name for p in HERE.glob("*.cc") if p.name not in (*ENTRY_POINTS.values(), *ONEDNN_SOURCES))
+    kernels = sorted(p.name for p in source.glob("*.cc") if p.name not in (*ENTRY_POINTS.values(), *ONEDNN_SOURCES))
     sources = [ENTRY_POINTS[name], *kernels, *extra]
-    inputs = [HERE / s for s in sources] + sorted(HERE.glob("*.h")) + list(headers)
+    inputs = [source / s for s in sources] + sorted(source.glob("*.h")) + list(headers)
     if include:
         inputs.append(include / HEADER)
     compiler = _compiler()
@@ -102,16 +103,16 @@ def _build(name: str, flags: tuple[str, ...] = (), include: Path | None = None,
     with open(target.parent / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed; a process that dies lets go of it too
         if not target.is_file():  # built by whoever held the lock before
-            _compile(name, [compiler, *FLAGS, *flags], include, sources, link, target)
+            _compile(name, [compiler, *FLAGS, *flags], include, source, sources, link, target)
     return target
 
 
-def _compile(name: str, command: list[str], include: Path | None, sources: list[str], link: tuple[str, ...],
-             target: Path) -> None:
+def _compile(name: str, command: list[str], include: Path | None, source: Path, sources: list[str],
+             link: tuple[str, ...], target: Path) -> None:
     fd, partial = tempfile.mkstemp(prefix=name, dir=target.parent)
     os.close(fd)
-    includes = ["-I", str(HERE)] + (["-I", str(include)] if include else [])
-    command = [*command, *includes, *(str(HERE / s) for s in sources), *link, "-o", partial]
+    includes = ["-I", str(source)] + (["-I", str(include)] if include else [])
+    command = [*command, *includes, *(str(source / s) for s in sources), *link, "-o", partial]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         os.unlink(partial)
@@ -119,9 +120,10 @@ def _compile(name: str, command: list[str], include: Path | None, sources: list[
     os.replace(partial, target)
 
 
-def library_path() -> Path:
-    """The kernels library (C API of kernels.h, MindSpore AOT entry points)."""
-    return _build(LIBRARY)
+def library_path(source: Path = HERE) -> Path:
+    """The kernels library (C API of kernels.h, MindSpore AOT entry points) of the sources in `source` (by default
+    these; another revision's for a benchmark's baseline)."""
+    return _build(LIBRARY, source=source)
 
 
 def ort_library_path() -> Path:

@@ -257,38 +257,44 @@ void quantized_tile(const float *x, const Quantized &e, int64_t c0, int64_t c1, 
 
 // accuracy_level 4 (MatMulNBits' int8 compute): each row's inputs quantized to int8 per chunk of 32 (scale
 // max |x| / 127), each chunk's products with the codes summed exactly in int32 by VNNI (u8 codes x s8 inputs), then
-//   y[r, n] = sum over blocks b of scale[n, b] * (sum over chunks q of b of xscale[q] * (dot_q - zero_point * xsum_q))
-//             + minimum[n, b] * sum_j x[r, j]
-// with xsum_q the chunk's int8 inputs summed. 4-bit codes are used as the bytes hold them (the chunk's low nibbles,
-// then its high ones): each chunk of the row's int8 inputs is stored in that order instead. Blocks of a multiple
-// of 32 inputs; other forms, and CPUs without VNNI, compute in float32 (quantized_tile).
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+//   y[r, n] = sum over chunks q of (scale[n, b(q)] * xscale[q]) * dot_q
+//             - sum over blocks b of (scale[n, b] * zero_point[n, b]) * zero_term[b] + minimum[n, b] * sum_j x[r, j]
+// with b(q) the block of chunk q and zero_term[b] the sum over b's chunks of xscale[q] * xsum_q (the chunk's int8
+// inputs summed). The codes of one column are contiguous over K, so two chunks fill a 512-bit vpdpbusd (lanes 0-7
+// chunk q, 8-15 chunk q + 1, whatever blocks they belong to), converted and scaled once per pair; the zero point's
+// term is taken 16 blocks at a time. 4-bit codes are used as the bytes hold them (the chunk's low nibbles, then its
+// high ones): each chunk of the row's int8 inputs is stored in that order instead. Blocks of a multiple of 32
+// inputs; other forms, and CPUs without AVX-512 VNNI, compute in float32 (quantized_tile).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kInt8Dot = true;
 #else
 constexpr bool kInt8Dot = false;
 #endif
-constexpr int64_t kChunkK = 32;  // inputs per int8 chunk
+constexpr int64_t kChunkK = 32;      // inputs per int8 chunk
+constexpr int64_t kScaleLanes = 8;   // each chunk's scale repeated over the int32 lanes of its products
+constexpr int64_t kBlockGroup = 16;  // blocks whose zero point terms are taken at once (one zmm of floats)
 
 // Every row of x as int8 chunks, quantized once per call before the tiles read them: codes in the weight's byte
-// order, each chunk's scale, and per weight block the terms of the zero point and of the minimum.
+// order, each chunk's scale (repeated over its lanes), and per weight block the terms of the zero point and of the
+// minimum.
 struct Int8Inputs {
   int64_t k, chunks, blocks;
   int8_t *q;          // [M, K]
-  float *scale;       // [M, chunks]
+  float *scale;       // [M, chunks, kScaleLanes]
   float *zero_term;   // [M, blocks]: sum over the block's chunks of scale * the chunk's int8 sum
   float *sums;        // [M, blocks]: the float inputs summed (the minimum's term)
 
   // Rows' storage in one buffer kept by the calling thread and grown to the largest call (reused, never freed).
   static Int8Inputs of(int64_t m, int64_t k, int64_t blocks) {
     thread_local std::vector<float> buffer;
-    const int64_t chunks = k / kChunkK, floats = m * (k / 4 + chunks + 2 * blocks);
+    const int64_t chunks = k / kChunkK, floats = m * (k / 4 + chunks * kScaleLanes + 2 * blocks);
     if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
     float *at = buffer.data();
     Int8Inputs in{k, chunks, blocks, reinterpret_cast<int8_t *>(at), nullptr, nullptr, nullptr};
     at += m * k / 4;
     in.scale = at;
-    in.zero_term = at + m * chunks;
-    in.sums = at + m * (chunks + blocks);
+    in.zero_term = at + m * chunks * kScaleLanes;
+    in.sums = in.zero_term + m * blocks;
     return in;
   }
 
@@ -312,7 +318,7 @@ struct Int8Inputs {
           qsum += v;
           q[r * k + c * kChunkK + (bits == 8 ? j : (j % 2) * (kChunkK / 2) + j / 2)] = v;
         }
-        scale[r * chunks + c] = step;
+        std::fill_n(scale + (r * chunks + c) * kScaleLanes, kScaleLanes, step);
         zero += step * static_cast<float>(qsum);
         total += sum;
       }
@@ -322,60 +328,125 @@ struct Int8Inputs {
   }
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// 32 codes as unsigned bytes, in the order Int8Inputs stored the inputs.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// Two chunks' codes (64 unsigned bytes) in the order Int8Inputs stored the inputs; `half` when only the first exists.
 template <int Bits>
-inline __m256i codes32(const uint8_t *p) {
-  if constexpr (Bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+inline __m512i codes64(const uint8_t *p, bool half) {
+  if constexpr (Bits == 8) return _mm512_maskz_loadu_epi8(half ? 0xFFFFFFFFull : ~0ull, p);
+  const __m256i b = _mm256_maskz_loadu_epi8(half ? 0xFFFFu : 0xFFFFFFFFu, p);
+  const __m512i twice = _mm512_shuffle_i64x2(_mm512_castsi256_si512(b), _mm512_castsi256_si512(b), 0x50);  // A A B B
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
+                                          0x0004000400040004, 0, 0);  // low nibbles of A and B, then the high ones
+  return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(0x0F));
 }
 
-inline float sum8i(__m256 v) {
-  float lanes[8];
-  _mm256_storeu_ps(lanes, v);
-  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+// The 16 lanes of v summed in one fixed order (halves added until one lane is left).
+inline float sum16(__m512 v) {
+  float lanes[16];
+  _mm512_storeu_ps(lanes, v);
+  for (int half = 8; half > 0; half /= 2)
+    for (int i = 0; i < half; ++i) lanes[i] += lanes[i + half];
+  return lanes[0];
 }
 
-// Rows [row, row + Rows) times columns [col, col + Cols), from the rows' int8 chunks.
+// Zero points of blocks [b, b + count) of column col as floats (count <= 16; the rest 0).
+template <int Bits>
+inline __m512 zero_points16(const Quantized &e, int64_t col, int64_t b, int64_t count) {
+  const uint8_t *row = e.zero_points + col * e.zero_width;
+  __m128i bytes;
+  if constexpr (Bits == 8) {
+    bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), row + b);
+  } else {  // b is even: bytes b / 2.. hold blocks b, b + 1 (low, high nibble), ...
+    const __m128i packed = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1), row + b / 2);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    bytes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    bytes = _mm_maskz_mov_epi8(static_cast<__mmask16>((1u << count) - 1), bytes);
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+}
+
+// The zero point's terms of rows [row, row + Rows) and columns [col, col + Cols), 16 blocks at a time.
+template <int Bits, int Rows, int Cols>
+void zero_terms(const Int8Inputs &in, int64_t row, const Quantized &e, int64_t col, __m512 (&out)[Rows][Cols]) {
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) out[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < e.blocks; b += kBlockGroup) {
+    const int64_t count = std::min(kBlockGroup, e.blocks - b);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    __m512 terms[Rows];
+    for (int r = 0; r < Rows; ++r) terms[r] = _mm512_maskz_loadu_ps(mask, in.zero_term + (row + r) * in.blocks + b);
+    for (int c = 0; c < Cols; ++c) {
+      const __m512 weighted = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, e.scales + (col + c) * e.blocks + b),
+                                            zero_points16<Bits>(e, col + c, b, count));
+      for (int r = 0; r < Rows; ++r) out[r][c] = _mm512_fmadd_ps(weighted, terms[r], out[r][c]);
+    }
+  }
+}
+
+// Rows [row, row + Rows) times columns [col, col + Cols), from the rows' int8 chunks. Per element: one accumulator
+// over chunk pairs (blocks of an even number of chunks: a block's pairs scaled by the rows' chunk scales into a
+// partial sum, which is scaled by the block's; others: each pair scaled by both at once, lane by lane), one over the
+// zero point's terms, summed in fixed orders; the same operations whatever Rows and Cols are. Each pair's code load
+// prefetches the next step's columns at the same offset: without it the kernel waits on memory at decode, where every
+// weight byte is read once (most of the gain of this form, docs/performance.md).
 template <int Bits, int Rows, int Cols>
 void int8_columns(const Int8Inputs &in, int64_t row, const Quantized &e, const float (*minimum)[kChunk], int64_t c0,
                   int64_t col, float *y) {
-  const int64_t block_bytes = e.block_size * Bits / 8, per_block = e.block_size / kChunkK;
-  __m256 acc[Rows][Cols];
-  float extra[Rows][Cols] = {};
+  constexpr int64_t kPairBytes = 2 * kChunkK * Bits / 8;
+  const int64_t per_block = e.block_size / kChunkK, column_bytes = e.k * Bits / 8;
+  const uint8_t *codes = e.codes + col * column_bytes;
+  const float *scales = e.scales + col * e.blocks;
+  const int8_t *xq = in.q + row * in.k;
+  const float *xscale = in.scale + row * in.chunks * kScaleLanes;
+  __m512 acc[Rows][Cols];
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < e.blocks; ++b) {
-    __m256 part[Rows][Cols];
-    for (int r = 0; r < Rows; ++r)
-      for (int c = 0; c < Cols; ++c) part[r][c] = _mm256_setzero_ps();
-    for (int64_t q = 0; q < per_block; ++q) {
-      const int64_t chunk = b * per_block + q;
-      __m256i codes[Cols];
-      for (int c = 0; c < Cols; ++c)
-        codes[c] = codes32<Bits>(e.codes + ((col + c) * e.blocks + b) * block_bytes + q * kChunkK * Bits / 8);
-      for (int r = 0; r < Rows; ++r) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(in.q + (row + r) * in.k + chunk * kChunkK));
-        const __m256 scale = _mm256_set1_ps(in.scale[(row + r) * in.chunks + chunk]);
-        for (int c = 0; c < Cols; ++c) {
-          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[c], xq);
-          part[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, part[r][c]);
-        }
-      }
-    }
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+  // dot products of chunks q, q + 1 (`half`: q alone), as floats, handed to add(r, c, products, row's chunk scales)
+  auto pair = [&](int64_t q, bool half, auto add) {
+    __m512i w[Cols];
     for (int c = 0; c < Cols; ++c) {
-      const float scale = e.scales[(col + c) * e.blocks + b];
-      const float zero = static_cast<float>(e.zero_point(col + c, b, Bits));
-      for (int r = 0; r < Rows; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(part[r][c], _mm256_set1_ps(scale), acc[r][c]);
-        extra[r][c] -= scale * zero * in.zero_term[(row + r) * in.blocks + b];
+      const uint8_t *at = codes + c * column_bytes + q / 2 * kPairBytes;
+      _mm_prefetch(reinterpret_cast<const char *>(at + Cols * column_bytes), _MM_HINT_T0);
+      w[c] = codes64<Bits>(at, half);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i x = _mm512_maskz_loadu_epi8(half ? 0xFFFFFFFFull : ~0ull, xq + r * in.k + q * kChunkK);
+      const __m512 xs = _mm512_maskz_loadu_ps(half ? 0x00FF : 0xFFFF, xscale + (r * in.chunks + q) * kScaleLanes);
+      for (int c = 0; c < Cols; ++c)
+        add(r, c, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], x)), xs);
+    }
+  };
+  if (per_block % 2) {
+    for (int64_t q = 0; q < in.chunks; q += 2) {
+      const bool half = q + 1 == in.chunks;
+      const int64_t b0 = per_block == 1 ? q : q / per_block;
+      const int64_t b1 = half ? b0 : per_block == 1 ? q + 1 : (q + 1) / per_block;
+      __m512 ws[Cols];
+      for (int c = 0; c < Cols; ++c)
+        ws[c] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[c * e.blocks + b0]),
+                                     _mm512_set1_ps(scales[c * e.blocks + b1]));
+      pair(q, half, [&](int r, int c, __m512 dot, __m512 xs) {
+        acc[r][c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(xs, ws[c]), acc[r][c]);
+      });
+    }
+  } else {  // an even number of chunks a block: they pair up
+    for (int64_t b = 0; b < e.blocks; ++b) {
+      __m512 part[Rows][Cols];
+      for (int r = 0; r < Rows; ++r)
+        for (int c = 0; c < Cols; ++c) part[r][c] = _mm512_setzero_ps();
+      for (int64_t q = b * per_block; q < (b + 1) * per_block; q += 2)
+        pair(q, false, [&](int r, int c, __m512 dot, __m512 xs) { part[r][c] = _mm512_fmadd_ps(dot, xs, part[r][c]); });
+      for (int c = 0; c < Cols; ++c) {
+        const __m512 ws = _mm512_set1_ps(scales[c * e.blocks + b]);
+        for (int r = 0; r < Rows; ++r) acc[r][c] = _mm512_fmadd_ps(part[r][c], ws, acc[r][c]);
       }
     }
   }
+  __m512 zero[Rows][Cols];
+  zero_terms<Bits, Rows, Cols>(in, row, e, col, zero);
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) y[r * e.n + col + c] = sum8i(acc[r][c]) + extra[r][c] + minimum[r][col + c - c0];
+    for (int c = 0; c < Cols; ++c)
+      y[r * e.n + col + c] = (sum16(acc[r][c]) - sum16(zero[r][c])) + minimum[r][col + c - c0];
 }
 
 template <int Bits, int Rows>

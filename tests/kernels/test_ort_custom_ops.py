@@ -136,6 +136,30 @@ def test_the_kernel_runs_not_the_function_body(library: Path, tmp_path: Path) ->
     assert "PagedAttention" not in op_names[False] and "MatMul" in op_names[False]
 
 
+@pytest.mark.parametrize("bits, block_size, k", [(4, 32, 96), (8, 32, 96), (4, 96, 192), (8, 256, 512), (4, 64, 128)])
+def test_grouped_matmul_nbits_int8_rows_are_batch_invariant(library: Path, bits: int, block_size: int, k: int) -> None:
+    """accuracy_level 4: a row alone and the same row among 7 of its expert's (tiles of 4, 2 and 1) give the same bits;
+    shapes where two chunks of 32 straddle blocks, an odd chunk count, and column counts off the kernel's steps."""
+    rng = np.random.default_rng(bits * block_size + k)
+    experts, n, blocks = 3, 38, k // block_size
+    inputs = {"x": rng.standard_normal((9, k), dtype=np.float32),
+              "codes": rng.integers(0, 256, (experts, n, blocks, block_size * bits // 8), dtype=np.uint8),
+              "scales": rng.random((experts, n, blocks), dtype=np.float32) * 0.02,
+              "zero_points": rng.integers(0, 256, (experts, n, -(-blocks * bits // 8)), dtype=np.uint8),
+              "minimum_t": rng.standard_normal((experts, blocks, n)).astype(np.float16) * np.float16(0.1),
+              "group_list": np.array([7, 0, 2], np.int64)}
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block_size, "accuracy_level": 4, "group_list_type": 1}
+    session = _session(_model(ops.GROUPED_MATMUL_BLOCK_QUANTIZED, inputs, **attrs), library)
+    (batched,) = session.run(None, inputs)
+    want = ops.GROUPED_MATMUL_BLOCK_QUANTIZED.reference(*inputs.values(), **attrs)
+    weight = 255 * inputs["scales"].max() + np.abs(inputs["minimum_t"]).max()  # |w| at most
+    np.testing.assert_allclose(batched, want, atol=5e-3 * np.abs(inputs["x"]).max() * weight * k, rtol=0)  # the op's
+    for row in range(9):
+        alone = {**inputs, "x": inputs["x"][row:row + 1],
+                 "group_list": np.array([1, 0, 0] if row < 7 else [0, 0, 1], np.int64)}
+        np.testing.assert_array_equal(session.run(None, alone)[0][0], batched[row])
+
+
 def test_kernel_errors_are_statuses(library: Path) -> None:
     """A bad block id is the kernel's own error (the function body would report a Gather), never a crash."""
     inputs = _paged_batch(7)
