@@ -26,9 +26,9 @@ class Pooler:
         state and advance them; the sequences whose prompt is now fed, each holding its vector in `pooled`."""
         done = []
         for seq, n, row in zip(batch.seqs, batch.num_tokens, rows):
-            if self.pooling.type == "last" or seq.pooled is None:
+            if seq.pooled is None:  # the request's one buffer, written in place by its later chunks
                 seq.pooled = row.astype(np.float32, copy=True)
-            elif seq.num_computed_tokens == 0:
+            elif self.pooling.type == "last" or seq.num_computed_tokens == 0:
                 seq.pooled[:] = row
             else:
                 seq.pooled += row

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import importlib
+import re
 import socket
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import httpx
 import uvicorn
 
 from pagedgraph.runtime.deploy_config import Deployment
@@ -49,6 +51,45 @@ def serve(artifact: Path, **sections: dict[str, Any]) -> Iterator[ServerThread]:
         yield thread
     finally:
         thread.stop()
+
+
+def metrics(server: ServerThread) -> dict[str, float]:
+    """The server's pagedgraph_* gauges and counters by name, and the whole text under "raw"."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(pagedgraph_\S+) (\S+)$", text, re.M)} | \
+        {"raw": text}  # type: ignore[dict-item]
+
+
+def wait_for(server: ServerThread, condition: Callable[[dict[str, float]], bool],
+             timeout: float = 10.0) -> dict[str, float]:
+    """The metrics once `condition` holds for them (polled); fails after `timeout` seconds, showing them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = metrics(server)
+        if condition(now):
+            return now
+        assert time.monotonic() < deadline, f"metrics never reached the condition:\n{now['raw']}"
+        time.sleep(0.05)
+
+
+def idle(server: ServerThread) -> dict[str, float]:
+    """The metrics once nothing is running, waiting, in flight or holding a KV block."""
+    return wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == m["pagedgraph_requests_running"]
+                    == m["pagedgraph_requests_waiting"] == m["pagedgraph_http_requests_in_flight"] == 0)
+
+
+def assert_refused_before_running(server: ServerThread, send: Callable[[], httpx.Response], param: str,
+                                  words: str) -> None:
+    """`send()` gets a 400 naming `param`, its message starting with `words`, and nothing of the request ran: no
+    step, every KV block free (a bad part of a request refuses the whole of it before any part is queued)."""
+    before = idle(server)
+    response = send()
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(words), error
+    after = idle(server)
+    assert after["pagedgraph_steps_total"] == before["pagedgraph_steps_total"], "part of the request ran"
+    assert after["pagedgraph_kv_blocks_free"] == after["pagedgraph_kv_blocks_total"]
 
 
 def fail_the_next_step(server: ServerThread) -> None:

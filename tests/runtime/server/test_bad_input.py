@@ -23,8 +23,7 @@ from pagedgraph.runtime.kv_cache_manager import KVCacheManager
 from pagedgraph.runtime.scheduler import Scheduler
 from pagedgraph.runtime.scheduler import Sequence
 from tests.runtime.kv_sim import Shadow, check_invariants, make_seq
-from tests.runtime.server.serving import MODEL, ServerThread, serve
-from tests.runtime.server.test_server import _wait_for
+from tests.runtime.server.serving import MODEL, ServerThread, serve, wait_for
 
 pytestmark = pytest.mark.e2e
 MAX_MODEL_LEN = 256
@@ -64,7 +63,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 def assert_idle_and_healthy(server: ServerThread) -> None:
     """/health is ok, nothing is in flight and every KV block is free (after at most a few steps)."""
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == m["pagedgraph_http_requests_in_flight"] == 0)
+    wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == m["pagedgraph_http_requests_in_flight"] == 0)
 
 
 BAD_COMPLETIONS = [

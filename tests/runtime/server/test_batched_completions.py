@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
-from tests.runtime.server.test_server import _metrics, _wait_for
+from tests.runtime.server.serving import (MODEL, ServerThread, assert_refused_before_running, fail_the_next_step,
+                                          idle, metrics, serve)
 
 pytestmark = pytest.mark.e2e
 MAX_PROMPTS = 6
@@ -39,12 +39,6 @@ def client(server: ServerThread) -> openai.OpenAI:
 def alone(client: openai.OpenAI) -> dict[str, Any]:
     """Each prompt sent by itself: greedy, 8 tokens."""
     return {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in PROMPTS}
-
-
-def _idle(server: ServerThread) -> dict[str, float]:
-    """Nothing running, waiting, in flight or holding a KV block."""
-    return _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == m["pagedgraph_requests_running"]
-                     == m["pagedgraph_requests_waiting"] == m["pagedgraph_http_requests_in_flight"] == 0)
 
 
 def test_a_list_of_prompts_is_answered_prompt_by_prompt_as_if_each_came_alone(client: openai.OpenAI,
@@ -115,15 +109,9 @@ def test_one_bad_prompt_fails_the_request_by_its_position_and_nothing_runs(serve
                                                                            param: str, words: str) -> None:
     same_kind = PROMPTS if isinstance(bad, str) else [[1, 2, 3]] * 4
     prompts = [*same_kind[:2], bad, same_kind[3]]
-    before = _idle(server)
-    response = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": prompts, "max_tokens": 8}),
-                          headers={"Content-Type": "application/json"})
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["message"].startswith(words), error
-    after = _idle(server)
-    assert after["pagedgraph_steps_total"] == before["pagedgraph_steps_total"], "the good prompts ran"
-    assert after["pagedgraph_kv_blocks_free"] == after["pagedgraph_kv_blocks_total"]
+    assert_refused_before_running(server, lambda: httpx.post(
+        f"{server.url}/v1/completions", content=json.dumps({"prompt": prompts, "max_tokens": 8}),
+        headers={"Content-Type": "application/json"}), param, words)
 
 
 def test_a_max_tokens_that_fits_no_prompt_is_named_with_the_prompt(client: openai.OpenAI) -> None:
@@ -139,11 +127,11 @@ def test_a_client_that_leaves_a_batched_stream_aborts_every_prompt(server: Serve
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        busy = _metrics(server)
+        busy = metrics(server)
         assert busy["pagedgraph_http_requests_in_flight"] == len(PROMPTS)
         assert busy["pagedgraph_kv_blocks_used"] > 0
-    _idle(server)
-    finished = _metrics(server)["raw"]
+    idle(server)
+    finished = metrics(server)["raw"]
     assert 'pagedgraph_requests_finished_total{reason="abort"}' in str(finished)
 
 
@@ -167,7 +155,7 @@ def test_prompts_count_one_by_one_against_max_concurrent_requests(server: Server
             stream.close()
     finally:
         frontend.limits = limits
-    _idle(server)
+    idle(server)
 
 
 def test_a_failed_step_fails_the_whole_request_and_frees_every_prompt(server: ServerThread,
@@ -176,5 +164,5 @@ def test_a_failed_step_fails_the_whole_request_and_frees_every_prompt(server: Se
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=4)
     assert err.value.response.json()["error"]["message"] == "engine step failed: injected"
-    _idle(server)
+    idle(server)
     assert len(client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=2).choices) == len(PROMPTS)

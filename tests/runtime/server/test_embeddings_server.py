@@ -23,8 +23,7 @@ from pagedgraph.exporter.config import ExportConfig
 from pagedgraph.exporter.export import export
 from pagedgraph.runtime.engine import LLM
 from pagedgraph.runtime.pooling_params import PoolingParams
-from tests.runtime.server.serving import MODEL, ServerThread, serve
-from tests.runtime.server.test_server import _metrics, _wait_for
+from tests.runtime.server.serving import MODEL, ServerThread, assert_refused_before_running, idle, metrics, serve
 from tests.tiny_models import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.unit
@@ -68,11 +67,6 @@ def offline(artifacts: dict[str, Path]) -> LLM:
 def _post(server: ServerThread, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", content=json.dumps(body), headers={"Content-Type": "application/json"},
                       timeout=60)
-
-
-def _idle(server: ServerThread) -> dict[str, float]:
-    return _wait_for(server, lambda m: m["pagedgraph_requests_running"] == m["pagedgraph_requests_waiting"]
-                     == m["pagedgraph_http_requests_in_flight"] == 0)
 
 
 def _close(got: list[float] | np.ndarray, want: np.ndarray) -> bool:
@@ -135,8 +129,8 @@ def test_32_concurrent_requests_of_mixed_lengths_end_with_no_error_and_every_blo
         inputs = body["input"] if isinstance(body["input"][0], str) else [{"prompt_token_ids": body["input"]}]
         want = offline.embed(inputs)
         assert all(_close(d["embedding"], w.embedding) for d, w in zip(answer.json()["data"], want, strict=True))
-    idle = _idle(server)
-    assert idle["pagedgraph_kv_blocks_free"] == idle["pagedgraph_kv_blocks_total"], "blocks leaked"
+    now = idle(server)
+    assert now["pagedgraph_kv_blocks_free"] == now["pagedgraph_kv_blocks_total"], "blocks leaked"
 
 
 def test_score_and_rerank_are_the_cosine_similarities_of_the_vectors(server: ServerThread, offline: LLM) -> None:
@@ -165,14 +159,8 @@ def test_score_and_rerank_are_the_cosine_similarities_of_the_vectors(server: Ser
 ], ids=["dimensions", "vocabulary", "empty", "too-many", "too-long", "encoding", "score-pairs"])
 def test_bad_input_is_a_400_naming_the_field_and_nothing_runs(server: ServerThread, body: dict[str, Any],
                                                               param: str, words: str) -> None:
-    before = _idle(server)
-    response = _post(server, "/v1/score" if "text_1" in body else "/v1/embeddings", body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["message"].startswith(words), error
-    after = _idle(server)
-    assert after["pagedgraph_steps_total"] == before["pagedgraph_steps_total"], "something ran"
-    assert after["pagedgraph_kv_blocks_free"] == after["pagedgraph_kv_blocks_total"]
+    path = "/v1/score" if "text_1" in body else "/v1/embeddings"
+    assert_refused_before_running(server, lambda: _post(server, path, body), param, words)
 
 
 def test_the_embedding_server_says_its_task_and_refuses_completions(server: ServerThread,

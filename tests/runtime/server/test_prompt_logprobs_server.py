@@ -5,7 +5,7 @@ import pytest
 
 from pagedgraph.runtime.engine import LLM
 from tests.runtime.server.test_server_sampling import KEY, MODEL, _params, _post, llm, server  # noqa: F401 (fixtures)
-from tests.runtime.server.test_server import ServerThread
+from tests.runtime.server.serving import ServerThread
 
 pytestmark = pytest.mark.e2e
 

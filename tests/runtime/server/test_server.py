@@ -20,7 +20,8 @@ import pytest
 from pagedgraph.artifact.manifest import Manifest
 from pagedgraph.runtime.engine import LLM, RequestOutput
 from pagedgraph.runtime.sampling_params import SamplingParams
-from tests.runtime.server.serving import MODEL, ServerThread, fail_the_next_step, serve
+from tests.runtime.server.serving import (MODEL, ServerThread, fail_the_next_step, idle, metrics, serve,
+                                          wait_for)
 
 pytestmark = pytest.mark.e2e
 KEY = "test-key"
@@ -52,12 +53,6 @@ def reference(smollm2_artifact: Path) -> dict[str, RequestOutput]:
 @pytest.fixture
 def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-
-
-def _metrics(server: ServerThread) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(pagedgraph_\S+) (\S+)$", text, re.M)} | \
-        {"raw": text}  # type: ignore[dict-item]
 
 
 def _error(exc: openai.APIStatusError) -> dict[str, Any]:
@@ -156,24 +151,14 @@ def test_concurrent_streaming_clients_share_the_engine(server: ServerThread,
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
-    before = _metrics(server)
+    before = metrics(server)
     texts = asyncio.run(all_of_them())
     assert texts == [reference[p].text for p in PROMPTS]
-    after = _metrics(server)
+    after = metrics(server)
     batched = re.findall(r'family="decode",gear="T(\d+)xB\d+xM\d+"\} (\d+)', str(after["raw"]))
     assert any(int(b) == 16 for b, _ in batched), "no decode step ran 16 requests together"
     assert after["pagedgraph_steps_total"] - before["pagedgraph_steps_total"] < 16 * MAX_CONCURRENT / 4
     assert after["pagedgraph_kv_blocks_used"] == 0
-
-
-def _wait_for(server: ServerThread, condition: Any, timeout: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = _metrics(server)
-        if condition(metrics):
-            return metrics
-        assert time.monotonic() < deadline, f"metrics never reached the condition:\n{metrics['raw']}"
-        time.sleep(0.05)
 
 
 def test_cancelled_streams_free_their_blocks_and_overload_gets_429(client: openai.OpenAI,
@@ -183,7 +168,7 @@ def test_cancelled_streams_free_their_blocks_and_overload_gets_429(client: opena
     try:
         for stream in streams[:4]:
             next(iter(stream))
-        busy = _wait_for(server, lambda m: m["pagedgraph_http_requests_in_flight"] == MAX_CONCURRENT)
+        busy = wait_for(server, lambda m: m["pagedgraph_http_requests_in_flight"] == MAX_CONCURRENT)
         assert busy["pagedgraph_kv_blocks_used"] > 0
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(model=MODEL, prompt="one too many", max_tokens=4)
@@ -192,11 +177,10 @@ def test_cancelled_streams_free_their_blocks_and_overload_gets_429(client: opena
         for stream in streams:
             stream.close()
     start = time.monotonic()
-    idle = _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0 and m["pagedgraph_requests_running"] == 0
-                     and m["pagedgraph_requests_waiting"] == 0 and m["pagedgraph_http_requests_in_flight"] == 0)
+    now = idle(server)
     assert time.monotonic() - start < 5, "aborts should free the blocks within a step or two"
-    assert idle["pagedgraph_kv_blocks_free"] == idle["pagedgraph_kv_blocks_total"]
-    assert 'reason="abort"' in str(idle["raw"])
+    assert now["pagedgraph_kv_blocks_free"] == now["pagedgraph_kv_blocks_total"]
+    assert 'reason="abort"' in str(now["raw"])
     still = client.completions.create(model=MODEL, prompt="still serving?", max_tokens=2, temperature=0)
     assert still.choices[0].finish_reason in ("stop", "length") and still.usage.completion_tokens >= 1
 
@@ -206,7 +190,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(serve
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
     start = time.monotonic()
-    _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0 and m["pagedgraph_http_requests_in_flight"] == 0)
+    wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0 and m["pagedgraph_http_requests_in_flight"] == 0)
     assert time.monotonic() - start < 5
 
 
@@ -270,7 +254,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(client: 
         client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=4)
     assert _error(err.value)["message"] == "engine step failed: injected"
     assert client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=4).choices[0].finish_reason
-    assert _metrics(server)["pagedgraph_kv_blocks_used"] == 0
+    assert metrics(server)["pagedgraph_kv_blocks_used"] == 0
 
 
 def test_requests_past_the_timeout_are_aborted(client: openai.OpenAI, server: ServerThread) -> None:
@@ -288,7 +272,7 @@ def test_requests_past_the_timeout_are_aborted(client: openai.OpenAI, server: Se
                 pass
     finally:
         frontend.limits = limits
-    assert _wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0)
+    assert wait_for(server, lambda m: m["pagedgraph_kv_blocks_used"] == 0)
 
 
 def test_pagedgraph_serve_starts_and_logs_what_it_loaded(smollm2_artifact: Path, tmp_path: Path) -> None:
